@@ -1,0 +1,142 @@
+"""The ``molt`` command: run, graph, replay, inspect, models.
+
+``molt run PIPELINE.yaml [--set key=value ...] [--run-dir DIR]``
+``molt graph PIPELINE.yaml``
+``molt replay RECORDING PIPELINE.yaml --into STAGE[.PORT] [--set ...]``
+``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
+``molt models prepare NAME``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import signal
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from molt.pipeline import Pipeline, apply_override
+
+
+def _interrupt(*_: Any) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Validate and run a pipeline; exit code 0 on a clean drain."""
+    pipe = Pipeline.from_yaml(args.pipeline, args.set)
+    return _run(pipe, args.run_dir)
+
+
+def _run(pipe: Pipeline, run_dir: str | None) -> int:
+    from molt.runner import Runner, default_run_dir
+
+    path = Path(run_dir) if run_dir else default_run_dir(pipe)
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir")
+    signal.signal(signal.SIGTERM, _interrupt)
+    return Runner(pipe, path).run()
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    print(Pipeline.from_yaml(args.pipeline, args.set).describe())
+    return 0
+
+
+def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) -> dict[str, Any]:
+    """A copy of a pipeline dict where everything upstream of ``into`` is replaced by
+    a replay source re-emitting ``recording`` into that stage (or ``stage.port``).
+
+    Raises:
+        ValueError: ``into`` names no stage of the pipeline.
+    """
+    data = copy.deepcopy(data)
+    target = into.split(".")[0]
+    if target not in data.get("stages", {}):
+        raise ValueError(f"{source}: --into {into!r}: no such stage; stages: {sorted(data.get('stages', {}))}")
+    edges = data.get("edges", [])
+    upstream, frontier = set(), {target}
+    while frontier:
+        frontier = {e["from"].split(".")[0] for e in edges
+                    if e["to"].split(".")[0] in frontier and not e.get("feedback")} - upstream - {target}
+        upstream |= frontier
+    data["stages"] = {k: v for k, v in data["stages"].items() if k not in upstream}
+    data["stages"]["replay"] = {"class": "stages.replay.ReplaySource", "config": {"path": recording}}
+    kept = [e for e in edges if e["from"].split(".")[0] not in upstream and e["to"].split(".")[0] not in upstream]
+    data["edges"] = [{"from": "replay", "to": into}, *kept]
+    data["name"] = f"{data.get('name', 'pipeline')}-replay"
+    data.pop("run_dir", None)
+    return data
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    data = yaml.safe_load(Path(args.pipeline).read_text())
+    for item in args.set:
+        apply_override(data, item, args.pipeline)
+    pipe = Pipeline.from_spec(replay_spec(data, args.recording, args.into, args.pipeline),
+                              source=f"{args.pipeline} (replay)")
+    return _run(pipe, args.run_dir)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from molt.recording import summarize
+
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    print(summarize(args.file, tokenizer, args.samples))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from molt.models import prepare
+
+    print(prepare(args.name))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="molt", description="Asynchronous RL of language models as a DAG of stages.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a pipeline")
+    run.add_argument("pipeline")
+    run.add_argument("--run-dir")
+    graph = sub.add_parser("graph", help="print the validated DAG")
+    graph.add_argument("pipeline")
+    replay = sub.add_parser("replay", help="re-run stages offline from a recorded edge")
+    replay.add_argument("recording", help="a recorded .arrow file or folder (RUN_DIR/record/EDGE)")
+    replay.add_argument("pipeline")
+    replay.add_argument("--into", required=True, help="the stage (or stage.port) the recording feeds")
+    replay.add_argument("--run-dir")
+    for sp in (run, graph, replay):
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a YAML value, e.g. stages.source.config.num_groups=4")
+    insp = sub.add_parser("inspect", help="summarise a recorded Arrow file")
+    insp.add_argument("file")
+    insp.add_argument("--tokenizer", help="a model folder or name whose tokenizer decodes token_ids")
+    insp.add_argument("--samples", type=int, default=1)
+    models = sub.add_parser("models", help="model utilities")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    prep = msub.add_parser("prepare", help="convert a model into a local Hugging Face folder")
+    prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handlers = {"run": cmd_run, "graph": cmd_graph, "replay": cmd_replay, "inspect": cmd_inspect,
+                "models": cmd_models}
+    try:
+        return handlers[args.command](args)
+    except ValueError as e:
+        print(f"molt: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

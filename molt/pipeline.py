@@ -1,0 +1,396 @@
+"""YAML or Python -> one validated :class:`Pipeline` (stages, ports, edges, schemas).
+
+A pipeline file::
+
+    # molt run pipelines/smoke.yaml      source -> shape -> sink
+    name: smoke
+    stages:
+      source: {class: stages.synthetic_source.SyntheticSource, config: {num_groups: 8}}
+      shape:  {class: stages.shape_reward.ShapeReward, replicas: 2}
+      sink:   {class: stages.metrics_sink.MetricsSink}
+    edges:
+      - {from: source, to: shape, kind: keyed}
+      - {from: shape, to: sink, record: true}
+
+Everything is checked before any process starts: unknown keys and wrong types
+(with the file, the dotted path and the nearest valid key), stage ids, classes,
+each stage's typed config, dangling edges, undeclared cycles (only edges marked
+``feedback: true`` may close one) and the columns each edge carries against the
+columns each consumer reads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from molt.schema import make_schema, resolve_fields
+from molt.stage import Port, Stage, StageConfig
+
+_ID = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class EdgeConfig(BaseModel):
+    """One edge: ``from: stage[.port]`` -> ``to: stage[.port]``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    from_: str = Field(alias="from")
+    to: str
+    kind: Literal["stream", "keyed", "broadcast"] = "stream"
+    key: str = "prompt_id"
+    feedback: bool = False
+    record: bool = False
+    capacity: int = Field(4, ge=1, description="credits per consumer replica (batches in flight)")
+    hwm: int = Field(64, ge=1, description="ZeroMQ high-water mark (messages)")
+
+
+class StageSpec(BaseModel):
+    """One stage: its class (import path), typed config and process kind."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    class_: Any = Field(alias="class")
+    config: dict[str, Any] = Field(default_factory=dict)
+    replicas: int = Field(1, ge=1)
+    world_size: int = Field(1, ge=1, description=">1: a torchrun group; rank 0 owns the sockets")
+    colocate_with: str | None = None
+
+
+class PipelineSpec(BaseModel):
+    """The whole YAML file."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "pipeline"
+    run_dir: str | None = None
+    transport: Literal["ipc", "tcp"] = "ipc"
+    host: str = "127.0.0.1"
+    ready_timeout_s: float = Field(120.0, gt=0)
+    stop_timeout_s: float = Field(10.0, gt=0)
+    stages: dict[str, StageSpec]
+    edges: list[EdgeConfig] = Field(default_factory=list)
+
+
+@dataclass
+class StageNode:
+    """A validated stage: class, config instance, ports and process kind."""
+
+    id: str
+    cls: type[Stage]
+    class_path: str
+    config: StageConfig
+    replicas: int
+    world_size: int
+    colocate_with: str | None
+    inputs: dict[str, Port]
+    outputs: dict[str, Port]
+
+
+@dataclass
+class Edge:
+    """A validated edge with the schema of what it carries."""
+
+    index: int
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    cfg: EdgeConfig
+    schema: pa.Schema | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}.{self.src_port}->{self.dst}.{self.dst_port}"
+
+
+class Pipeline:
+    """The validated graph. Build with :meth:`from_yaml` or :meth:`from_spec`."""
+
+    def __init__(self, spec: PipelineSpec, source: str, stages: dict[str, StageNode],
+                 edges: list[Edge]) -> None:
+        self.spec, self.source, self.stages, self.edges = spec, source, stages, edges
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Pipeline:
+        """Load, apply ``--set key=value`` overrides, and validate.
+
+        Raises:
+            ValueError: naming the file and the dotted path of the first problem.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"{path}: pipeline file not found")
+        try:
+            data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a pipeline is a mapping with 'stages' and 'edges'")
+        for item in overrides or []:
+            apply_override(data, item, str(path))
+        return cls.from_spec(data, source=str(path))
+
+    @classmethod
+    def from_spec(cls, data: dict[str, Any] | PipelineSpec, source: str = "<python>") -> Pipeline:
+        """Validate a pipeline given as a dict (YAML shape) or a :class:`PipelineSpec`.
+
+        A stage's ``class`` may be an import path or the class itself.
+        """
+        if isinstance(data, PipelineSpec):
+            data = data.model_dump(by_alias=True)
+        spec = _validate(PipelineSpec, data, source, ())
+        stages = {sid: _build_stage(sid, s, source) for sid, s in spec.stages.items()}
+        edges = [_build_edge(i, e, stages, source) for i, e in enumerate(spec.edges)]
+        pipe = cls(spec, source, stages, edges)
+        _check_graph(pipe)
+        return pipe
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved pipeline as plain data (validated configs, import paths)."""
+        data = self.spec.model_dump(by_alias=True, exclude={"stages"})
+        data["stages"] = {sid: {"class": n.class_path, "config": n.config.model_dump(mode="json"),
+                                "replicas": n.replicas, "world_size": n.world_size,
+                                "colocate_with": n.colocate_with}
+                          for sid, n in self.stages.items()}
+        return data
+
+    def topo_order(self) -> list[str]:
+        """Stage ids so that producers come before consumers (feedback edges ignored)."""
+        deps = {s: {e.src for e in self.edges if e.dst == s and not e.cfg.feedback} for s in self.stages}
+        order: list[str] = []
+        while len(order) < len(deps):
+            ready = [s for s in deps if s not in order and deps[s] <= set(order)]
+            if not ready:
+                cyc = [s for s in deps if s not in order]
+                raise ValueError(f"{self.source}: edges: cycle among stages {cyc} is not declared; "
+                                 "hint: mark the edge that closes it `feedback: true`")
+            order.extend(sorted(ready))
+        return order
+
+    def describe(self) -> str:
+        """The resolved DAG as text (``molt graph``)."""
+        lines = [f"pipeline {self.spec.name!r} ({self.source})", "stages:"]
+        for sid in self.topo_order():
+            n = self.stages[sid]
+            kind = (f"fused into {n.colocate_with}" if n.colocate_with else
+                    f"torchrun group x{n.world_size}" if n.world_size > 1 else "process")
+            lines.append(f"  {sid:<14} {n.class_path}  replicas={n.replicas}  [{kind}]")
+        lines.append("edges:")
+        for e in self.edges:
+            flags = [e.cfg.kind] + (["feedback"] if e.cfg.feedback else []) + (["record"] if e.cfg.record else [])
+            if e.cfg.kind == "keyed":
+                flags[0] += f"({e.cfg.key})"
+            cols = ", ".join(e.schema.names) if e.schema is not None else ""
+            lines.append(f"  {e.name:<40} {' '.join(flags):<24} [{cols}]")
+        return "\n".join(lines)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses duplicate keys (which plain YAML silently overwrites)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (stage ids must be unique)", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def apply_override(data: dict[str, Any], item: str, source: str) -> None:
+    """Apply one ``dotted.key=value`` override (value parsed as YAML) in place.
+
+    Raises:
+        ValueError: the item has no ``=`` or walks through a non-mapping.
+    """
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.source.config.num_groups=4")
+    key, value = item.split("=", 1)
+    parts, node = key.split("."), data
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])} is not a mapping")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def _validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = prefix + tuple(err["loc"])
+        path = ".".join(str(p) for p in loc)
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(model, tuple(err["loc"])[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close else f"; valid keys: {known}")
+        elif err["type"] != "missing":
+            msg += f"; got {err.get('input')!r}"
+        raise ValueError(f"{source}: {path}: {msg}") from None
+
+
+def _known_keys(model: Any, loc: tuple) -> list[str]:
+    """Field names (YAML spelling) of the model reached by walking ``loc``."""
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            f = model.model_fields.get(str(part)) or next(
+                (v for v in model.model_fields.values() if v.alias == part), None)
+            model = f.annotation if f else None
+        else:
+            args = [a for a in typing.get_args(model) if a is not type(None)]
+            model = args[-1] if args else None
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return [f.alias or n for n, f in model.model_fields.items()]
+    return []
+
+
+def import_class(path: str, where: str) -> type:
+    """Import ``pkg.module.Class``.
+
+    Raises:
+        ValueError: naming ``where``, with the nearest existing name as a hint.
+    """
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{where}: {path!r} is not an import path like 'stages.my_stage.MyStage'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{where}: cannot import module {module_name!r}: {e}") from None
+    if not hasattr(module, attr):
+        close = difflib.get_close_matches(attr, dir(module), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{where}: module {module_name!r} has no class {attr!r}{hint}")
+    return getattr(module, attr)
+
+
+def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
+    where = f"{source}: stages.{sid}"
+    if not _ID.match(sid):
+        raise ValueError(f"{where}: stage id {sid!r} must be snake_case ([a-z][a-z0-9_]*)")
+    cls = s.class_ if isinstance(s.class_, type) else import_class(str(s.class_), f"{where}.class")
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ValueError(f"{where}.class: {cls!r} is not a molt.stage.Stage subclass")
+    config = _validate(cls.Config, s.config, source, ("stages", sid, "config"))
+    inputs, outputs = cls.ports(config)
+    return StageNode(sid, cls, f"{cls.__module__}.{cls.__qualname__}", config, s.replicas,
+                     s.world_size, s.colocate_with, inputs, outputs)
+
+
+def _endpoint(ref: str, stages: dict[str, StageNode], out: bool, where: str) -> tuple[str, str]:
+    sid, _, port = ref.partition(".")
+    if sid not in stages:
+        close = difflib.get_close_matches(sid, list(stages), n=1)
+        raise ValueError(f"{where}: unknown stage {sid!r}" +
+                         (f"; did you mean {close[0]!r}?" if close else f"; stages: {sorted(stages)}"))
+    ports = stages[sid].outputs if out else stages[sid].inputs
+    if not port:
+        if len(ports) != 1:
+            raise ValueError(f"{where}: stage {sid!r} has {'outputs' if out else 'inputs'} "
+                             f"{sorted(ports)}; name one as '{sid}.PORT'")
+        port = next(iter(ports))
+    if port not in ports:
+        raise ValueError(f"{where}: stage {sid!r} has no {'output' if out else 'input'} {port!r}; "
+                         f"it has {sorted(ports)}")
+    return sid, port
+
+
+def _build_edge(i: int, e: EdgeConfig, stages: dict[str, StageNode], source: str) -> Edge:
+    src, sp = _endpoint(e.from_, stages, True, f"{source}: edges[{i}].from")
+    dst, dp = _endpoint(e.to, stages, False, f"{source}: edges[{i}].to")
+    return Edge(i, src, sp, dst, dp, e)
+
+
+def _check_graph(pipe: Pipeline) -> None:
+    src = pipe.source
+    for sid, n in pipe.stages.items():
+        for port in n.inputs:
+            if not any(e.dst == sid and e.dst_port == port for e in pipe.edges):
+                raise ValueError(f"{src}: stages.{sid}: input {port!r} has no edge; hint: add "
+                                 f"{{from: PRODUCER, to: {sid}.{port}}} under edges")
+        for port in n.outputs:
+            if not any(e.src == sid and e.src_port == port for e in pipe.edges):
+                raise ValueError(f"{src}: stages.{sid}: output {port!r} has no edge, its rows would "
+                                 "be lost; hint: connect it to a consumer (a sink)")
+        _check_colocation(pipe, sid, n)
+    for sid in pipe.topo_order():
+        _check_inputs(pipe, sid)
+        for e in (e for e in pipe.edges if e.src == sid):
+            e.schema = _output_schema(pipe, sid, e.src_port)
+            if e.cfg.kind == "keyed" and e.cfg.key not in e.schema.names:
+                raise ValueError(f"{src}: edges[{e.index}].key: column {e.cfg.key!r} is not on "
+                                 f"edge {e.name}; it carries {e.schema.names}")
+    for sid in pipe.stages:  # feedback inputs, now that every schema is known
+        _check_inputs(pipe, sid)
+
+
+def _output_schema(pipe: Pipeline, sid: str, port: str) -> pa.Schema:
+    node, where = pipe.stages[sid], f"{pipe.source}: stages.{sid} output {port!r}"
+    p = node.outputs[port]
+    if p.schema is not None:
+        return p.schema
+    fields: list[pa.Field] = []
+    if p.passes is not None:
+        incoming = [e.schema for e in pipe.edges if e.dst == sid and e.dst_port == p.passes]
+        fields = list(incoming[0]) if incoming and incoming[0] is not None else []
+    names = {f.name for f in fields}
+    for f in resolve_fields(p.writes, where):
+        if f.name in names:
+            raise ValueError(f"{where}: writes column {f.name!r} which already arrives on its input; "
+                             "hint: a column has one owner; add a new column instead")
+        fields.append(f)
+    return make_schema(fields, "trajectory")
+
+
+def _check_inputs(pipe: Pipeline, sid: str) -> None:
+    node = pipe.stages[sid]
+    for port, p in node.inputs.items():
+        schemas = [(e, e.schema) for e in pipe.edges if e.dst == sid and e.dst_port == port]
+        known = [(e, s) for e, s in schemas if s is not None]
+        if not known:
+            continue
+        first_edge, first = known[0]
+        for e, s in known[1:]:
+            if not s.equals(first, check_metadata=False):
+                raise ValueError(f"{pipe.source}: edges {first_edge.name} and {e.name} into {sid}.{port} "
+                                 f"carry different columns: {first.names} vs {s.names}")
+        have = {f.name: f.type for f in first}
+        for f in resolve_fields(p.reads, f"{pipe.source}: stages.{sid} input {port!r}"):
+            if f.name not in have:
+                raise ValueError(f"{pipe.source}: edge {first_edge.name}: stage {sid!r} reads column "
+                                 f"{f.name!r} which no upstream stage writes; edge carries {sorted(have)}")
+            if have[f.name] != f.type:
+                raise ValueError(f"{pipe.source}: edge {first_edge.name}: column {f.name!r} is "
+                                 f"{have[f.name]} but {sid!r} reads {f.type}")
+
+
+def _check_colocation(pipe: Pipeline, sid: str, n: StageNode) -> None:
+    if n.colocate_with is None:
+        return
+    where = f"{pipe.source}: stages.{sid}.colocate_with"
+    host = pipe.stages.get(n.colocate_with)
+    if host is None or host.colocate_with is not None or n.colocate_with == sid:
+        raise ValueError(f"{where}: {n.colocate_with!r} must be another stage that is not itself "
+                         f"fused; stages: {sorted(pipe.stages)}")
+    if n.replicas != 1 or n.world_size != 1:
+        raise ValueError(f"{where}: a fused stage runs in each of its host's processes; "
+                         "leave its replicas and world_size at 1")
+    external = [e.name for e in pipe.edges if e.dst == sid and e.src != n.colocate_with]
+    if host.world_size > 1 and external:
+        raise ValueError(f"{where}: a stage fused into a torchrun group may only receive from "
+                         f"its host; got {external}")

@@ -1,0 +1,100 @@
+"""Live progress of a run: merges per-replica metrics and draws one table per refresh.
+
+The runner calls :meth:`Progress.update` every poll; it appends new lines of every
+``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` and keeps, per metric key,
+the latest value of each replica, combined across replicas by the reduction the
+stage declared (``sum`` for counters such as ``rows_out``; ``last`` by default).
+On a terminal it renders a rich table (stage, rows in/out, rows/s, latest metrics);
+elsewhere it logs a line every ``log_every_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from molt.metrics import get_logger
+from molt.pipeline import Pipeline
+
+log = get_logger("runner")
+
+
+class Progress:
+    """Context manager: ``with Progress(pipe, run_dir, live) as p: p.update(elapsed_s)``."""
+
+    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool, log_every_s: float = 10.0) -> None:
+        self.pipe, self.run_dir, self.live = pipe, Path(run_dir), live
+        self.offsets: dict[Path, int] = {}
+        self.values: dict[str, dict[str, float]] = {}  # key -> {replica: value}
+        self.reduce: dict[str, str] = {}
+        self.log_every_s, self._last_log = log_every_s, 0.0
+        self._live: Live | None = None
+        self._out = open(self.run_dir / "metrics.jsonl", "a")
+
+    def __enter__(self) -> Progress:
+        if self.live:
+            self._live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+        self._out.close()
+
+    def update(self, elapsed_s: float) -> None:
+        """Read new metric lines and redraw."""
+        for f in sorted((self.run_dir / "metrics").glob("*.jsonl")):
+            self._read(f)
+        self._out.flush()
+        if self._live is not None:
+            self._live.update(self._table(elapsed_s))
+        elif time.monotonic() - self._last_log >= self.log_every_s:
+            self._last_log = time.monotonic()
+            rows = self.summary()
+            brief = "  ".join(f"{k} {v:g}" for k, v in rows.items() if k.endswith(("rows_in", "rows_out")))
+            log.info("%.0f s  %s", elapsed_s, brief or "starting")
+
+    def _read(self, path: Path) -> None:
+        with open(path) as f:
+            f.seek(self.offsets.get(path, 0))
+            while line := f.readline():
+                if not line.endswith("\n"):
+                    break  # a line still being written: read it next time
+                self.offsets[path] = f.tell()
+                self._out.write(line)
+                rec = json.loads(line)
+                for k, v in rec["values"].items():
+                    self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = v
+                self.reduce.update(rec.get("reduce", {}))
+
+    def summary(self) -> dict[str, float]:
+        """Every metric key combined across replicas."""
+        out = {}
+        for k, per in self.values.items():
+            vals = list(per.values())
+            how = self.reduce.get(k, "last")
+            out[k] = (sum(vals) if how == "sum" else max(vals) if how == "max"
+                      else sum(vals) / len(vals) if how == "mean" else vals[-1])
+        return out
+
+    def _table(self, elapsed_s: float) -> Table:
+        agg = self.summary()
+        table = Table(title=f"{self.pipe.spec.name}  {elapsed_s:.0f} s  {self.run_dir}")
+        for col in ("stage", "replicas", "rows in", "rows out", "rows/s", "latest"):
+            table.add_column(col)
+        for sid in self.pipe.topo_order():
+            n = self.pipe.stages[sid]
+            rows_in, rows_out = agg.get(f"{sid}/rows_in", 0), agg.get(f"{sid}/rows_out", 0)
+            extra = [f"{k.split('/', 1)[1]} {v:.3g}" for k, v in agg.items()
+                     if k.startswith(f"{sid}/") and not k.split("/", 1)[1].startswith("rows_")][:4]
+            rate = (rows_out or rows_in) / max(elapsed_s, 1e-9)
+            table.add_row(sid, str(n.replicas), f"{rows_in:g}", f"{rows_out:g}", f"{rate:.1f}",
+                          "  ".join(extra))
+        return table

@@ -1,0 +1,232 @@
+"""Starts, wires, supervises and stops the processes of a pipeline (``molt run``).
+
+Run directory: ``pipeline.yaml`` (resolved config), ``wiring.json`` (endpoints),
+``logs/{stage}.{replica}.log``, ``metrics/`` (per replica) merged into
+``metrics.jsonl``, ``status/`` (per process), ``record/`` (recorded edges),
+``checkpoints/`` and ``summary.json``.
+
+Healthy drain: sources finish and send end-of-stream; each stage ends when every
+producer of each non-broadcast input has ended, flushes, sends end-of-stream on
+its outputs and exits 0; a broadcast (feedback) edge never holds a stage back, so
+drain terminates with feedback edges too. The runner waits until every process
+has exited 0, then writes the summary.
+
+Crash: a stage that raises sends an error frame downstream, writes its traceback to
+``status/`` and exits 1 (a SIGKILLed one simply dies). The runner polls every
+0.2 s; on the first non-zero exit it stops every process: SIGTERM to each process
+group (children of children included: engine processes, torchrun ranks), then
+SIGKILL after ``stop_timeout_s``. It reports the root cause -- the earliest failure
+that was not just an upstream error -- with the stage id and traceback, and the run
+exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
+also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from molt.metrics import get_logger
+from molt.pipeline import Pipeline
+from molt.progress import Progress
+
+log = get_logger("runner")
+
+
+def make_wiring(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
+    """Endpoints of every edge: one per producer replica, plus the consumer ids."""
+    sock_dir = run_dir.resolve() / "sock"
+    if len(str(sock_dir)) > 80:  # ipc:// paths are limited to ~107 bytes
+        digest = hashlib.sha1(str(sock_dir).encode()).hexdigest()[:10]
+        sock_dir = Path(tempfile.gettempdir()) / f"molt-{digest}"
+    wiring = {}
+    for e in pipe.edges:
+        src, dst = pipe.stages[e.src], pipe.stages[e.dst]
+        inproc = dst.colocate_with == e.src or src.colocate_with == e.dst or (
+            src.colocate_with is not None and src.colocate_with == dst.colocate_with)
+        num_producers = pipe.stages[src.colocate_with or e.src].replicas
+        num_consumers = pipe.stages[dst.colocate_with or e.dst].replicas
+        if inproc:
+            endpoints = [f"inproc://e{e.index}.{i}" for i in range(num_producers)]
+        elif pipe.spec.transport == "tcp":
+            endpoints = [f"tcp://{pipe.spec.host}:{_free_port(pipe.spec.host)}" for _ in range(num_producers)]
+        else:
+            endpoints = [f"ipc://{sock_dir}/e{e.index}.{i}" for i in range(num_producers)]
+        wiring[e.name] = {"endpoints": endpoints, "inproc": inproc,
+                          "consumers": [f"{e.dst}.{j}" for j in range(num_consumers)]}
+    return wiring
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the runner dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    """One stage replica's OS process (a torchrun launcher for a group)."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    descendants: set[int] = field(default_factory=set)
+
+
+class Runner:
+    """Runs a validated pipeline in ``run_dir`` and returns an exit code."""
+
+    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool | None = None) -> None:
+        self.pipe, self.run_dir = pipe, Path(run_dir)
+        self.procs: list[Proc] = []
+        self.live = sys.stderr.isatty() if live is None else live
+        self.failure: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        """Write the resolved config and wiring, then start one process per replica."""
+        for sub in ("logs", "metrics", "status"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
+        (self.run_dir / "wiring.json").write_text(json.dumps(make_wiring(self.pipe, self.run_dir), indent=1))
+        for sid in reversed(self.pipe.topo_order()):
+            node = self.pipe.stages[sid]
+            if node.colocate_with is None:
+                for r in range(node.replicas):
+                    self.procs.append(self._spawn(sid, r, node.world_size))
+
+    def _spawn(self, sid: str, replica: int, world_size: int) -> Proc:
+        cmd = [sys.executable, "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
+        if world_size > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
+                   "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}",
+                   "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
+        log_path = self.run_dir / "logs" / f"{sid}.{replica}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        return Proc(f"{sid}.{replica}", popen, log_path)
+
+    def supervise(self) -> int:
+        """Poll until every process exits or one fails; return the exit code."""
+        start = time.monotonic()
+        with Progress(self.pipe, self.run_dir, self.live) as progress:
+            while True:
+                progress.update(time.monotonic() - start)
+                for p in self.procs:
+                    p.descendants |= _descendants(p.popen.pid)
+                codes = [p.popen.poll() for p in self.procs]
+                if any(c not in (None, 0) for c in codes):
+                    self.failure = self._root_cause()
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                time.sleep(0.2)
+            self.stop()
+            progress.update(time.monotonic() - start)
+            summary = progress.summary()
+        return self._finish(summary, time.monotonic() - start)
+
+    def run(self) -> int:
+        """start + supervise; Ctrl-C stops every process and returns 130."""
+        try:
+            self.start()
+            return self.supervise()
+        except KeyboardInterrupt:
+            log.warning("interrupted: stopping %d process(es)", len(self.procs))
+            self.failure = {"stage": None, "error": "interrupted (Ctrl-C)"}
+            self.stop()
+            self._finish({}, 0.0)
+            return 130
+
+    def stop(self) -> None:
+        """Stop every process and its descendants: SIGTERM, then SIGKILL (idempotent)."""
+        pids = set()
+        for p in self.procs:
+            pids |= p.descendants | _descendants(p.popen.pid)
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.pipe.spec.stop_timeout_s
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGKILL)
+            p.popen.wait()
+        for pid in pids:  # descendants that left their process group
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    def _root_cause(self) -> dict[str, Any]:
+        statuses = []
+        for f in sorted((self.run_dir / "status").glob("*.json")):
+            s = json.loads(f.read_text())
+            if s["state"] == "failed":
+                statuses.append({"stage": f.stem, **s})
+        own = [s for s in statuses if not s["upstream"]] or statuses
+        if own:
+            first = min(own, key=lambda s: s["time"])
+            return {"stage": first["stage"], "error": first["error"]}
+        dead = next(p for p in self.procs if p.popen.poll() not in (None, 0))
+        code = dead.popen.returncode
+        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return {"stage": dead.name, "error": f"process {dead.popen.pid} {how}; see {dead.log_path}"}
+
+    def _finish(self, metrics: dict[str, Any], wall_s: float) -> int:
+        ok = self.failure is None
+        summary = {"status": "ok" if ok else "failed", "wall_s": round(wall_s, 3),
+                   "failed_stage": None if ok else self.failure["stage"],  # type: ignore[index]
+                   "error": None if ok else self.failure["error"],  # type: ignore[index]
+                   "metrics": metrics}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if ok:
+            log.info("run finished in %.1f s: %s", wall_s, self.run_dir)
+            return 0
+        log.error("stage %s failed; run stopped (%s)\n%s", summary["failed_stage"], self.run_dir,
+                  summary["error"])
+        return 1
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def default_run_dir(pipe: Pipeline) -> Path:
+    """``runs/{name}-{YYYYmmdd-HHMMSS}`` unless the pipeline names one."""
+    if pipe.spec.run_dir:
+        return Path(pipe.spec.run_dir)
+    return Path("runs") / f"{pipe.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"

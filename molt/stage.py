@@ -1,0 +1,199 @@
+"""The Stage base class: a stage author writes hooks, the base owns loop and sockets.
+
+Kinds (pick one base):
+
+* :class:`Source` -- ``generate()`` yields record batches (or :class:`Barrier` s);
+  one output ``out``.
+* :class:`Transform` -- ``process(batch)`` returns a batch or None, ``flush()`` at
+  end of stream; input ``in``, output ``out`` (a sink declares ``outputs = {}``).
+* :class:`Service` -- ``async run()``, a long-lived stage (rollout) that calls
+  ``await self.recv(port)`` and ``await self.send(port, batch)`` itself.
+
+Hooks every kind may add: ``setup()``, ``close()`` (idempotent), ``state_dict()`` /
+``load_state_dict()`` and ``on_barrier(step)`` (checkpoint barrier; by default it
+saves ``state_dict()`` as JSON under ``RUN_DIR/checkpoints/step_{k}/``).
+
+Columns: each input :class:`Port` names the columns it ``reads``; each output port
+names the columns it ``writes`` and the input whose columns it ``passes`` through, or
+gives a fixed ``schema``. The pipeline derives every edge's schema from these at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from molt.metrics import MetricsWriter, get_logger
+from molt.transport import Barrier, InputPort, OutputPort
+
+
+class StageConfig(BaseModel):
+    """Base of every stage's nested ``Config``: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Port:
+    """Column contract of one named input or output.
+
+    reads: columns an input needs (trajectory column names or ``pa.Field`` s).
+    writes: columns an output adds.
+    passes: the input port whose columns an output carries through.
+    schema: a fixed schema instead of reads/writes (e.g. the weight-version record).
+    """
+
+    reads: tuple[str | pa.Field, ...] = ()
+    writes: tuple[str | pa.Field, ...] = ()
+    passes: str | None = None
+    schema: pa.Schema | None = None
+
+
+@dataclass
+class StageContext:
+    """Where a stage replica runs. ``rank``/``world_size`` are its torchrun group's."""
+
+    stage_id: str
+    replica: int = 0
+    num_replicas: int = 1
+    run_dir: Path | None = None
+    rank: int = 0
+    world_size: int = 1
+    inputs: dict[str, InputPort] = field(default_factory=dict)
+    outputs: dict[str, OutputPort] = field(default_factory=dict)
+    metrics: MetricsWriter | None = None
+    group: Any = None  # molt.worker.GroupChannel for torchrun groups
+
+
+class Stage:
+    """Base of all stages; see the module docstring for the hooks."""
+
+    Config: ClassVar[type[StageConfig]] = StageConfig
+    inputs: ClassVar[dict[str, Port]] = {}
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def __init__(self, config: StageConfig, ctx: StageContext) -> None:
+        self.config, self.ctx = config, ctx
+        self.log: logging.Logger = get_logger(f"{ctx.stage_id}/{ctx.replica if ctx.world_size == 1 else ctx.rank}")
+        self.metrics = ctx.metrics or MetricsWriter(None, ctx.stage_id, ctx.replica)
+
+    @classmethod
+    def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
+        """The (inputs, outputs) port contracts; override when they depend on config."""
+        return dict(cls.inputs), dict(cls.outputs)
+
+    def setup(self) -> None:
+        """Load models, open files. Runs after the sockets are connected."""
+
+    def close(self) -> None:
+        """Release resources; must be idempotent."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state saved at a checkpoint barrier ({} = stateless)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def on_barrier(self, step: int) -> None:
+        """Checkpoint barrier ``step``: save ``state_dict()`` atomically (if any)."""
+        state = self.state_dict()
+        if not state or self.ctx.run_dir is None:
+            return
+        path = self.ctx.run_dir / "checkpoints" / f"step_{step}" / f"{self.ctx.stage_id}.{self.ctx.replica}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+
+    async def send(self, port: str, batch: pa.RecordBatch) -> None:
+        """Send a batch on output ``port`` (conformed to the port's schema).
+
+        On a torchrun group only rank 0 owns sockets; other ranks' sends are no-ops
+        except on in-process edges.
+        """
+        out = self.ctx.outputs.get(port)
+        if out is None:
+            raise ValueError(f"stage {self.ctx.stage_id!r}: no output port {port!r}; "
+                             f"declared {sorted(self.ctx.outputs)}")
+        await out.send(batch)
+        self.metrics.count(f"rows_out_{port}" if port != "out" else "rows_out", batch.num_rows)
+
+    async def recv(self, port: str = "in", timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
+        """Next batch or barrier from input ``port``; None at end of stream."""
+        item = await self.ctx.inputs[port].recv(timeout_s)
+        if isinstance(item, pa.RecordBatch):
+            self.metrics.count(f"rows_in_{port}" if port != "in" else "rows_in", item.num_rows)
+        return item
+
+    async def barrier(self, step: int) -> None:
+        """Run the barrier hook, then forward the barrier on every output."""
+        self.on_barrier(step)
+        for out in self.ctx.outputs.values():
+            await out.send_barrier(step)
+
+
+class Source(Stage):
+    """A stage with no input that yields record batches."""
+
+    outputs: ClassVar[dict[str, Port]] = {"out": Port()}
+
+    def generate(self) -> Iterator[pa.RecordBatch | Barrier]:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        for item in self.generate():
+            # 1) produce  2) send (a barrier checkpoints and travels downstream)
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+            else:
+                await self.send("out", item)
+
+
+class Transform(Stage):
+    """A stage that maps each input batch to zero or one output batch."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port()}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in")}
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
+        raise NotImplementedError
+
+    def flush(self) -> pa.RecordBatch | None:
+        """At end of stream: emit what is still held (None = nothing)."""
+        return None
+
+    async def run(self) -> None:
+        while True:
+            # 1) receive
+            item = await self.recv("in")
+            if item is None:
+                break
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+                continue
+            # 2) process  3) send
+            await self._emit(self.process(item))
+        await self._emit(self.flush())
+
+    async def _emit(self, result: pa.RecordBatch | None) -> None:
+        if result is not None and "out" in self.ctx.outputs:
+            await self.send("out", result)
+        elif result is not None:
+            raise ValueError(f"stage {self.ctx.stage_id!r} returned a batch but has no output "
+                             "port; hint: a sink's process() returns None")
+
+
+class Service(Stage):
+    """A long-lived stage that runs its own async loop (``async def run``)."""
+
+    async def run(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,437 @@
+"""ZeroMQ edges carrying Arrow record batches.
+
+Wire format: every message is two frames, ``[kind, payload]``:
+
+====  ===========  =========================================================
+kind  name         payload
+====  ===========  =========================================================
+D     data         one record batch as an Arrow IPC stream (schema + batch)
+E     end          producer id (utf-8): this producer sends nothing more
+X     error        JSON ``{"stage": id, "error": text}``: the producer failed
+B     barrier      JSON ``{"step": k}``: checkpoint barrier k
+H     hello        JSON ``{"consumer": id, "credits": n}`` (consumer -> producer)
+C     credit       ASCII integer n: the consumer can take n more batches
+====  ===========  =========================================================
+
+Nothing is pickled. Sockets: every producer replica binds one ROUTER per edge;
+every consumer replica connects one DEALER per producer replica, with identity
+``"{stage}.{replica}"``, and opens with a hello carrying its initial credits. A
+producer sends a data message to a consumer only while it holds a credit from it
+(explicit back-pressure: a slow consumer slows its producers). ``stream`` edges go
+to the consumer with the most credits, ``keyed`` edges split each batch by
+``crc32(key) % num_consumers`` so a group never splits across replicas, and
+``broadcast`` edges send every message to every consumer that said hello (a late
+consumer gets the latest one on hello) without credits.
+
+The in-process edge for tests and fused stages is the same code over ``inproc://``
+endpoints sharing one ``zmq.asyncio.Context``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import zmq
+import zmq.asyncio
+
+from molt.schema import conform, schema_diff
+
+DATA, END, ERROR, BARRIER, HELLO, CREDIT = b"D", b"E", b"X", b"B", b"H", b"C"
+_KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT}
+EdgeKind = Literal["stream", "keyed", "broadcast"]
+
+
+class ProtocolError(Exception):
+    """A malformed or unexpected message on an edge (names the edge and the peer)."""
+
+
+class UpstreamError(RuntimeError):
+    """A producer stage failed and sent an error frame downstream."""
+
+    def __init__(self, stage: str, error: str) -> None:
+        super().__init__(f"upstream stage {stage!r} failed:\n{error}")
+        self.stage = stage
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """A checkpoint barrier for step ``step`` travelling in-band with the data."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """One edge as both of its ends see it (all resolved, JSON-friendly except schema).
+
+    endpoints: one per producer replica, ``ipc://``, ``tcp://`` or ``inproc://``.
+    consumers: the consumer replica ids, ``"{stage}.{replica}"``.
+    capacity: credits each consumer grants each producer (batches in flight).
+    """
+
+    name: str
+    kind: EdgeKind
+    endpoints: tuple[str, ...]
+    consumers: tuple[str, ...]
+    schema: pa.Schema
+    key: str = "prompt_id"
+    capacity: int = 4
+    hwm: int = 64
+    ready_timeout_s: float = 120.0
+
+
+def encode_batch(batch: pa.RecordBatch) -> pa.Buffer:
+    """Serialise one batch as an Arrow IPC stream (one copy of the column bytes)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def decode_batch(payload: Any, schema: pa.Schema, where: str) -> pa.RecordBatch:
+    """Read one batch from IPC bytes without copying and check its schema.
+
+    Raises:
+        ProtocolError: truncated or corrupt bytes, or a schema that differs from the
+            edge's (naming ``where`` and the columns).
+    """
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        batch = reader.read_next_batch()
+    except (pa.ArrowInvalid, StopIteration, OSError) as e:
+        raise ProtocolError(f"{where}: undecodable Arrow payload ({len(payload)} bytes): {e}") from None
+    if diff := schema_diff(schema, batch.schema):
+        raise ProtocolError(f"{where}: batch schema differs from the edge's: {diff}")
+    return batch
+
+
+def split_frames(frames: list[Any], where: str) -> tuple[bytes, Any]:
+    """Split a message into (kind, payload buffer).
+
+    Raises:
+        ProtocolError: wrong frame count or unknown kind byte.
+    """
+    if len(frames) != 2:
+        raise ProtocolError(f"{where}: expected 2 frames [kind, payload], got {len(frames)}")
+    kind = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+    if kind not in _KINDS:
+        raise ProtocolError(f"{where}: unknown message kind {kind!r}; expected one of "
+                            f"{sorted(k.decode() for k in _KINDS)}")
+    payload = frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]
+    return kind, payload
+
+
+def keyed_split(batch: pa.RecordBatch, key: str, num_consumers: int) -> dict[int, pa.RecordBatch]:
+    """Split rows by ``crc32(str(key)) % num_consumers`` (stable across processes)."""
+    if key not in batch.schema.names:
+        raise ValueError(f"keyed edge: key column {key!r} is not in the batch; "
+                         f"got columns {batch.schema.names}")
+    targets = [zlib.crc32(str(k).encode()) % num_consumers for k in batch.column(key).to_pylist()]
+    out = {}
+    for j in sorted(set(targets)):
+        out[j] = batch.take(pa.array([i for i, t in enumerate(targets) if t == j], pa.int64()))
+    return out
+
+
+class OutputEdge:
+    """A producer replica's end of one edge: a bound ROUTER."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, spec: EdgeSpec, replica: int, producer_id: str):
+        self.spec, self.producer_id = spec, producer_id
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, spec.hwm)
+        self.sock.setsockopt(zmq.RCVHWM, spec.hwm)
+        self.sock.setsockopt(zmq.LINGER, 0 if spec.kind == "broadcast" else 30_000)
+        endpoint = spec.endpoints[replica]
+        if endpoint.startswith("ipc://"):
+            Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+        self.sock.bind(endpoint)
+        self.credits: dict[str, int] = {}
+        self.latest: list[Any] | None = None
+        self._rr = 0
+
+    @property
+    def where(self) -> str:
+        return f"edge {self.spec.name} (producer {self.producer_id})"
+
+    async def wait_ready(self) -> None:
+        """Wait for a hello from every consumer (broadcast edges do not wait).
+
+        Raises:
+            TimeoutError: naming the consumers that never said hello and the seconds waited.
+        """
+        if self.spec.kind == "broadcast":
+            return
+        start = time.monotonic()
+        while len(self.credits) < len(self.spec.consumers):
+            left = self.spec.ready_timeout_s - (time.monotonic() - start)
+            if left <= 0:
+                missing = [c for c in self.spec.consumers if c not in self.credits]
+                raise TimeoutError(f"{self.where}: no hello from consumer(s) {missing} after "
+                                   f"{self.spec.ready_timeout_s:.0f} s")
+            await self._pump(timeout_ms=int(min(left, 1.0) * 1000))
+
+    async def _pump(self, timeout_ms: int) -> None:
+        """Read hellos and credits that arrived; wait up to ``timeout_ms`` for the first."""
+        if not await self.sock.poll(timeout_ms):
+            return
+        while await self.sock.poll(0):
+            ident, kind_frame, payload = await self._recv3()
+            peer = ident.decode()
+            if kind_frame == HELLO:
+                self.credits[peer] = int(json.loads(bytes(payload))["credits"])
+                if self.spec.kind == "broadcast" and self.latest is not None:
+                    await self.sock.send_multipart([ident, *self.latest], copy=False)
+            elif kind_frame == CREDIT:
+                self.credits[peer] = self.credits.get(peer, 0) + int(bytes(payload))
+            else:
+                raise ProtocolError(f"{self.where}: consumer {peer!r} sent kind {kind_frame!r}; "
+                                    "expected hello or credit")
+
+    async def _recv3(self) -> tuple[bytes, bytes, Any]:
+        frames = await self.sock.recv_multipart(copy=False)
+        if len(frames) != 3:
+            raise ProtocolError(f"{self.where}: expected [identity, kind, payload], "
+                                f"got {len(frames)} frames")
+        return frames[0].bytes, frames[1].bytes, frames[2].buffer
+
+    async def _take_credit(self, consumer: str | None) -> str:
+        """Block until ``consumer`` (or, if None, any consumer) has a credit; spend it."""
+        while True:
+            await self._pump(timeout_ms=0)
+            if consumer is None:
+                ready = [c for c in self.spec.consumers if self.credits.get(c, 0) > 0]
+                if ready:
+                    best = max(self.credits[c] for c in ready)
+                    ready = [c for c in ready if self.credits[c] == best]
+                    self._rr += 1
+                    choice = ready[self._rr % len(ready)]
+                    self.credits[choice] -= 1
+                    return choice
+            elif self.credits.get(consumer, 0) > 0:
+                self.credits[consumer] -= 1
+                return consumer
+            await self._pump(timeout_ms=1000)
+
+    async def send_data(self, batch: pa.RecordBatch, payload: pa.Buffer | None) -> None:
+        """Send one batch (``payload`` = its encoding, shared across fan-out edges)."""
+        if self.spec.kind == "keyed":
+            for j, part in keyed_split(batch, self.spec.key, len(self.spec.consumers)).items():
+                peer = await self._take_credit(self.spec.consumers[j])
+                await self._send(peer, DATA, encode_batch(part))
+            return
+        payload = payload if payload is not None else encode_batch(batch)
+        if self.spec.kind == "broadcast":
+            self.latest = [DATA, payload]
+            await self._pump(timeout_ms=0)
+            for peer in list(self.credits):
+                await self._send(peer, DATA, payload)
+            return
+        peer = await self._take_credit(None)
+        await self._send(peer, DATA, payload)
+
+    async def send_control(self, kind: bytes, payload: bytes) -> None:
+        """Send an end, error or barrier message to every consumer (no credit needed)."""
+        if self.spec.kind == "broadcast" and kind in (END, ERROR):
+            self.latest = [kind, payload]  # a late subscriber learns the stream ended
+        await self._pump(timeout_ms=0)
+        for peer in list(self.credits):
+            await self._send(peer, kind, payload)
+
+    async def _send(self, peer: str, kind: bytes, payload: Any) -> None:
+        try:
+            await self.sock.send_multipart([peer.encode(), kind, payload], copy=False)
+        except zmq.error.ZMQError as e:
+            if self.spec.kind != "broadcast":
+                raise ProtocolError(f"{self.where}: cannot reach consumer {peer!r}: {e}") from None
+            self.credits.pop(peer, None)  # a subscriber that left
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class InputEdge:
+    """A consumer replica's end of one edge: one DEALER per producer replica."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, spec: EdgeSpec, consumer_id: str):
+        self.spec, self.consumer_id = spec, consumer_id
+        self.socks = []
+        for endpoint in spec.endpoints:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, consumer_id.encode())
+            s.setsockopt(zmq.RCVHWM, spec.hwm)
+            s.setsockopt(zmq.SNDHWM, spec.hwm)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            self.socks.append(s)
+
+    async def hello(self) -> None:
+        msg = json.dumps({"consumer": self.consumer_id, "credits": self.spec.capacity}).encode()
+        for s in self.socks:
+            await s.send_multipart([HELLO, msg])
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+class InputPort:
+    """Everything a consumer replica receives on one named input (fan-in of edges).
+
+    ``recv()`` returns record batches or :class:`Barrier` s, and ``None`` once every
+    producer of every edge has sent end-of-stream. A barrier is returned only when it
+    has arrived from every producer (aligned), and producers that sent it are held back
+    until then.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, specs: list[EdgeSpec], consumer_id: str):
+        self.name = name
+        self.edges = [InputEdge(ctx, s, consumer_id) for s in specs]
+        self.poller = zmq.asyncio.Poller()
+        self._open: dict[Any, str] = {}
+        for edge in self.edges:
+            for i, s in enumerate(edge.socks):
+                self.poller.register(s, zmq.POLLIN)
+                self._open[s] = f"edge {edge.spec.name} (producer {i} -> {consumer_id})"
+        self._spec = {s: e.spec for e in self.edges for s in e.socks}
+        self._ready: deque[pa.RecordBatch | Barrier] = deque()
+        self._held: dict[Any, int] = {}  # producer socket -> barrier step it sent
+
+    async def start(self) -> None:
+        for edge in self.edges:
+            await edge.hello()
+
+    @property
+    def is_broadcast(self) -> bool:
+        return all(e.spec.kind == "broadcast" for e in self.edges)
+
+    async def recv(self, timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
+        """Next batch or barrier; None at end of stream.
+
+        Raises:
+            UpstreamError: a producer sent an error frame.
+            ProtocolError: a malformed frame.
+            TimeoutError: nothing arrived within ``timeout_s`` (when given).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready:
+            if not self._open:
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"input {self.name!r}: nothing within {timeout_s} s")
+            for sock, _ in await self.poller.poll(timeout=200):
+                await self._read(sock)
+        return self._ready.popleft()
+
+    def latest(self) -> pa.RecordBatch | None:
+        """Broadcast inputs: the newest batch received so far without waiting (or None)."""
+        newest = None
+        while self._ready:
+            item = self._ready.popleft()
+            if isinstance(item, pa.RecordBatch):
+                newest = item
+        return newest
+
+    async def drain_nowait(self) -> None:
+        """Move every message already waiting on the sockets into the ready queue."""
+        for sock, _ in await self.poller.poll(timeout=0):
+            await self._read(sock)
+
+    async def _read(self, sock: Any) -> None:
+        where = self._open[sock]
+        kind, payload = split_frames(await sock.recv_multipart(copy=False), where)
+        spec = self._spec[sock]
+        if kind == DATA:
+            self._ready.append(decode_batch(payload, spec.schema, where))
+            if spec.kind != "broadcast":
+                await sock.send_multipart([CREDIT, b"1"])
+        elif kind == END:
+            del self._open[sock]
+            self.poller.unregister(sock)
+            self._release_if_aligned()
+        elif kind == ERROR:
+            info = json.loads(bytes(payload))
+            raise UpstreamError(info["stage"], info["error"])
+        elif kind == BARRIER:
+            self._held[sock] = int(json.loads(bytes(payload))["step"])
+            self.poller.unregister(sock)  # hold this producer back until the barrier aligns
+            self._release_if_aligned()
+        else:
+            raise ProtocolError(f"{where}: producer sent kind {kind!r}; expected data, end, "
+                                "error or barrier")
+
+    def _release_if_aligned(self) -> None:
+        if not self._held or not set(self._held) >= set(self._open):
+            return
+        steps = set(self._held.values())
+        if len(steps) != 1:
+            raise ProtocolError(f"input {self.name!r}: misaligned barriers {sorted(steps)}")
+        for sock in self._held:
+            if sock in self._open:
+                self.poller.register(sock, zmq.POLLIN)
+        self._held.clear()
+        self._ready.append(Barrier(steps.pop()))
+
+    def close(self) -> None:
+        for e in self.edges:
+            e.close()
+
+
+class OutputPort:
+    """Everything a producer replica sends on one named output (fan-out of edges)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, edges: list[tuple[EdgeSpec, int]],
+                 producer_id: str, recorders: dict[str, Any] | None = None):
+        """``edges``: (spec, index of this producer among the edge's endpoints)."""
+        self.name, self.producer_id = name, producer_id
+        self.edges = [OutputEdge(ctx, s, i, producer_id) for s, i in edges]
+        self.recorders = recorders or {}
+
+    async def wait_ready(self) -> None:
+        for e in self.edges:
+            await e.wait_ready()
+
+    async def send(self, batch: pa.RecordBatch) -> None:
+        """Send ``batch`` on every edge of this port, recording it where asked.
+
+        Raises:
+            ValueError: the batch's columns differ from the port's schema.
+        """
+        if not self.edges:
+            return
+        batch = conform(batch, self.edges[0].spec.schema, f"output {self.producer_id}.{self.name}")
+        for e in self.edges:
+            if e.spec.name in self.recorders:
+                self.recorders[e.spec.name].write(batch)
+        shared = None
+        if any(e.spec.kind != "keyed" for e in self.edges):
+            shared = encode_batch(batch)
+        for e in self.edges:
+            await e.send_data(batch, shared)
+
+    async def send_barrier(self, step: int) -> None:
+        for e in self.edges:
+            await e.send_control(BARRIER, json.dumps({"step": step}).encode())
+
+    async def send_end(self) -> None:
+        for e in self.edges:
+            await e.send_control(END, self.producer_id.encode())
+
+    async def send_error(self, stage: str, error: str) -> None:
+        for e in self.edges:
+            await e.send_control(ERROR, json.dumps({"stage": stage, "error": error}).encode())
+
+    def close(self) -> None:
+        for r in self.recorders.values():
+            r.close()
+        for e in self.edges:
+            e.close()

@@ -1,0 +1,220 @@
+"""The body of one stage process: ``python -m molt.worker RUN_DIR STAGE REPLICA``.
+
+The runner starts one per stage replica (under torchrun for a group). The worker
+loads the resolved pipeline and wiring from the run directory, builds the host stage
+and every stage fused into it (``colocate_with``), wires their ports, and runs::
+
+    1) connect inputs and say hello     2) setup()
+    3) wait for every consumer's hello  4) run the stage's loop
+    5) send end-of-stream downstream    6) close()
+
+On failure it sends an error frame on every output, writes
+``RUN_DIR/status/{stage}.{replica}.json`` with the traceback, and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import zmq.asyncio
+
+from molt.metrics import MetricsWriter
+from molt.pipeline import Pipeline, StageNode
+from molt.recording import RecordWriter, edge_dirname
+from molt.stage import Stage, StageContext
+from molt.transport import Barrier, EdgeSpec, InputPort, OutputPort, UpstreamError, decode_batch, encode_batch
+
+
+def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
+    """The :class:`EdgeSpec` of an edge as seen from one process, and its replica index there.
+
+    An edge between a host and its fused stage is in-process: each process holds one
+    producer and one consumer of it.
+    """
+    edge = next(e for e in pipe.edges if e.name == edge_name)
+    w = wiring[edge_name]
+    endpoints, consumers = tuple(w["endpoints"]), tuple(w["consumers"])
+    if w["inproc"]:
+        endpoints, consumers, replica = (endpoints[replica],), (consumers[replica],), 0
+    assert edge.schema is not None
+    spec = EdgeSpec(edge_name, edge.cfg.kind, endpoints, consumers, edge.schema, edge.cfg.key,
+                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s)
+    return spec, replica
+
+
+class GroupInput:
+    """An input of a torchrun group: rank 0 receives and broadcasts each item to all ranks.
+
+    Items travel as ``[kind, length]`` then the bytes (Arrow IPC for batches) over a
+    gloo group, so every rank's ``process`` sees the same batch.
+    """
+
+    def __init__(self, port: InputPort | None, schema: pa.Schema, group: Any) -> None:
+        self.port, self.schema, self.group = port, schema, group
+
+    async def start(self) -> None:
+        if self.port is not None:
+            await self.port.start()
+
+    async def recv(self, timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
+        import torch
+        import torch.distributed as dist
+
+        header = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        if self.port is not None:
+            item = await self.port.recv(timeout_s)
+            if isinstance(item, pa.RecordBatch):
+                payload = encode_batch(item).to_pybytes()
+            header[0] = 0 if item is None else 1 if isinstance(item, Barrier) else 2
+            header[1] = item.step if isinstance(item, Barrier) else len(payload)
+        dist.broadcast(header, src=0, group=self.group)
+        kind, size = int(header[0]), int(header[1])
+        if kind != 2:
+            return None if kind == 0 else Barrier(size)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        return decode_batch(data.numpy().tobytes(), self.schema, "torchrun group broadcast")
+
+    def close(self) -> None:
+        if self.port is not None:
+            self.port.close()
+
+
+class NullOutput:
+    """An external output on ranks other than 0: rank 0 alone sends."""
+
+    async def wait_ready(self) -> None: ...
+    async def send(self, batch: pa.RecordBatch) -> None: ...
+    async def send_barrier(self, step: int) -> None: ...
+    async def send_end(self) -> None: ...
+    async def send_error(self, stage: str, error: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica: int, run_dir: Path,
+                zctx: zmq.asyncio.Context, rank: int, world_size: int, group: Any) -> Stage:
+    """Instantiate one stage with its ports wired for this process."""
+    host = pipe.stages[node.colocate_with] if node.colocate_with else node
+    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size)
+    name = f"{node.id}.{replica}"
+    suffix = "" if world_size == 1 else f".rank{rank}"
+    ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,
+                                node.id, replica)
+    for port in node.inputs:
+        edges = [e for e in pipe.edges if e.dst == node.id and e.dst_port == port]
+        specs = [edge_spec(pipe, wiring, e.name, replica)[0] for e in edges]
+        internal = all(wiring[e.name]["inproc"] for e in edges)
+        if world_size == 1 or internal:
+            ctx.inputs[port] = InputPort(zctx, port, specs, name)
+        else:
+            real = InputPort(zctx, port, specs, name) if rank == 0 else None
+            ctx.inputs[port] = GroupInput(real, specs[0].schema, group)  # type: ignore[assignment]
+    for port in node.outputs:
+        edges = [e for e in pipe.edges if e.src == node.id and e.src_port == port]
+        internal = all(wiring[e.name]["inproc"] for e in edges)
+        if world_size > 1 and rank != 0 and not internal:
+            ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
+            continue
+        specs, recorders = [], {}
+        for e in edges:
+            specs.append(edge_spec(pipe, wiring, e.name, replica))
+            if e.cfg.record:
+                path = run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow"
+                recorders[e.name] = RecordWriter(path)
+        ctx.outputs[port] = OutputPort(zctx, port, specs, name, recorders)
+    return node.cls(node.config, ctx)
+
+
+async def run_stage(stage: Stage) -> None:
+    """Lifecycle of one stage (steps 2-6 of the module docstring)."""
+    ctx = stage.ctx
+    try:
+        stage.setup()
+        for out in ctx.outputs.values():
+            await out.wait_ready()
+        await stage.run()  # type: ignore[attr-defined]
+        for out in ctx.outputs.values():
+            await out.send_end()
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(exc))
+        for out in ctx.outputs.values():
+            try:
+                await asyncio.wait_for(out.send_error(ctx.stage_id, text), timeout=2.0)
+            except Exception:  # noqa: BLE001 - best effort while already failing
+                pass
+        raise
+    finally:
+        stage.close()
+        if ctx.metrics is not None:
+            ctx.metrics.close()
+
+
+async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, replica: int,
+                      run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
+    """Run a host stage and every stage fused into it, concurrently, in this process."""
+    group = None
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+        group = dist.new_group(backend="gloo")
+    zctx = zmq.asyncio.Context()
+    nodes = [pipe.stages[stage_id]] + [n for n in pipe.stages.values() if n.colocate_with == stage_id]
+    stages = [build_stage(pipe, wiring, n, replica, run_dir, zctx, rank, world_size, group) for n in nodes]
+    try:
+        for s in stages:  # 1) connect and say hello before any (slow) setup
+            for inp in s.ctx.inputs.values():
+                await inp.start()
+        tasks = [asyncio.create_task(run_stage(s), name=f"{s.ctx.stage_id}_loop") for s in stages]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in pending:
+            t.cancel()
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        for s in stages:
+            for p in [*s.ctx.inputs.values(), *s.ctx.outputs.values()]:
+                p.close()
+        zctx.term()
+
+
+def write_status(run_dir: Path, name: str, state: str, error: str = "", upstream: bool = False) -> None:
+    """Atomically write this process's status file for the runner."""
+    path = run_dir / "status" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"state": state, "error": error, "upstream": upstream,
+                               "time": time.time(), "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_dir, stage_id, replica = (argv or sys.argv[1:])[:3]
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    run_path = Path(run_dir)
+    name = f"{stage_id}.{replica}" + (f".rank{rank}" if world_size > 1 else "")
+    try:
+        pipe = Pipeline.from_yaml(run_path / "pipeline.yaml")
+        wiring = json.loads((run_path / "wiring.json").read_text())
+        asyncio.run(run_process(pipe, wiring, stage_id, int(replica), run_path, rank, world_size))
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the runner
+        text = "".join(traceback.format_exception(exc))
+        write_status(run_path, name, "failed", text, upstream=isinstance(exc, UpstreamError))
+        print(text, file=sys.stderr, flush=True)
+        return 1
+    write_status(run_path, name, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

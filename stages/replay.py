@@ -1,0 +1,38 @@
+"""ReplaySource: re-emits a recorded edge, batch for batch, bit-identical.
+
+``path`` is a recorded ``.arrow`` file or a folder of them (``RUN_DIR/record/EDGE``,
+one file per producer replica, read in name order). The output schema is the
+recording's, read when the pipeline loads, so a replayed edge is checked against
+its consumers like a live one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+
+from molt.recording import read_batches, read_schema
+from molt.stage import Port, Source, StageConfig
+
+
+class ReplaySource(Source):
+    """Re-emits every batch of a recording, in order."""
+
+    class Config(StageConfig):
+        path: str
+
+    config: Config
+
+    @classmethod
+    def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
+        assert isinstance(config, cls.Config)
+        return {}, {"out": Port(schema=read_schema(config.path))}
+
+    def setup(self) -> None:
+        if self.ctx.num_replicas != 1:
+            raise ValueError(f"stages.{self.ctx.stage_id}.replicas: a replay source re-emits one "
+                             f"recording in order; got {self.ctx.num_replicas} replicas; hint: use 1")
+
+    def generate(self) -> Iterator[pa.RecordBatch]:
+        yield from read_batches(self.config.path)
