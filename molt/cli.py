@@ -48,7 +48,8 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) -> dict[str, Any]:
     """A copy of a pipeline dict where everything upstream of ``into`` is replaced by
-    a replay source re-emitting ``recording`` into that stage (or ``stage.port``).
+    a replay source re-emitting ``recording`` into that stage (or ``stage.port``);
+    the replayed edge is recorded again, so the two recordings can be compared.
 
     Raises:
         ValueError: ``into`` names no stage of the pipeline.
@@ -66,7 +67,7 @@ def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) ->
     data["stages"] = {k: v for k, v in data["stages"].items() if k not in upstream}
     data["stages"]["replay"] = {"class": "stages.replay.ReplaySource", "config": {"path": recording}}
     kept = [e for e in edges if e["from"].split(".")[0] not in upstream and e["to"].split(".")[0] not in upstream]
-    data["edges"] = [{"from": "replay", "to": into}, *kept]
+    data["edges"] = [{"from": "replay", "to": into, "record": True}, *kept]
     data["name"] = f"{data.get('name', 'pipeline')}-replay"
     data.pop("run_dir", None)
     return data

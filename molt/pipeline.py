@@ -323,6 +323,7 @@ def _check_graph(pipe: Pipeline) -> None:
             if not any(e.dst == sid and e.dst_port == port for e in pipe.edges):
                 raise ValueError(f"{src}: stages.{sid}: input {port!r} has no edge; hint: add "
                                  f"{{from: PRODUCER, to: {sid}.{port}}} under edges")
+    for sid, n in pipe.stages.items():
         for port in n.outputs:
             if not any(e.src == sid and e.src_port == port for e in pipe.edges):
                 raise ValueError(f"{src}: stages.{sid}: output {port!r} has no edge, its rows would "

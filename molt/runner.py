@@ -123,7 +123,9 @@ class Runner:
                    "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}",
                    "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
         log_path = self.run_dir / "logs" / f"{sid}.{replica}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Custom stages are imported by path relative to where `molt run` was started.
+        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)

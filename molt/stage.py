@@ -104,9 +104,9 @@ class Stage:
         """Restore what :meth:`state_dict` returned."""
 
     def on_barrier(self, step: int) -> None:
-        """Checkpoint barrier ``step``: save ``state_dict()`` atomically (if any)."""
+        """Checkpoint barrier ``step``: save ``state_dict()`` atomically (if any; rank 0)."""
         state = self.state_dict()
-        if not state or self.ctx.run_dir is None:
+        if not state or self.ctx.run_dir is None or self.ctx.rank != 0:
             return
         path = self.ctx.run_dir / "checkpoints" / f"step_{step}" / f"{self.ctx.stage_id}.{self.ctx.replica}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

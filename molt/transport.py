@@ -158,6 +158,7 @@ class OutputEdge:
         self.credits: dict[str, int] = {}
         self.latest: list[Any] | None = None
         self._rr = 0
+        self._responder: asyncio.Task[None] | None = None
 
     @property
     def where(self) -> str:
@@ -170,6 +171,9 @@ class OutputEdge:
             TimeoutError: naming the consumers that never said hello and the seconds waited.
         """
         if self.spec.kind == "broadcast":
+            # The only reader of a broadcast socket: answers hellos (with the latest
+            # value) and notes subscribers while the producer is busy elsewhere.
+            self._responder = asyncio.create_task(self._serve_hellos(), name=f"{self.spec.name}_hello_loop")
             return
         start = time.monotonic()
         while len(self.credits) < len(self.spec.consumers):
@@ -179,6 +183,10 @@ class OutputEdge:
                 raise TimeoutError(f"{self.where}: no hello from consumer(s) {missing} after "
                                    f"{self.spec.ready_timeout_s:.0f} s")
             await self._pump(timeout_ms=int(min(left, 1.0) * 1000))
+
+    async def _serve_hellos(self) -> None:
+        while True:
+            await self._pump(timeout_ms=1000)
 
     async def _pump(self, timeout_ms: int) -> None:
         """Read hellos and credits that arrived; wait up to ``timeout_ms`` for the first."""
@@ -232,7 +240,6 @@ class OutputEdge:
         payload = payload if payload is not None else encode_batch(batch)
         if self.spec.kind == "broadcast":
             self.latest = [DATA, payload]
-            await self._pump(timeout_ms=0)
             for peer in list(self.credits):
                 await self._send(peer, DATA, payload)
             return
@@ -243,7 +250,8 @@ class OutputEdge:
         """Send an end, error or barrier message to every consumer (no credit needed)."""
         if self.spec.kind == "broadcast" and kind in (END, ERROR):
             self.latest = [kind, payload]  # a late subscriber learns the stream ended
-        await self._pump(timeout_ms=0)
+        else:
+            await self._pump(timeout_ms=0)
         for peer in list(self.credits):
             await self._send(peer, kind, payload)
 
@@ -256,6 +264,8 @@ class OutputEdge:
             self.credits.pop(peer, None)  # a subscriber that left
 
     def close(self) -> None:
+        if self._responder is not None:
+            self._responder.cancel()
         self.sock.close()
 
 

@@ -120,16 +120,14 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
             ctx.inputs[port] = GroupInput(real, specs[0].schema, group)  # type: ignore[assignment]
     for port in node.outputs:
         edges = [e for e in pipe.edges if e.src == node.id and e.src_port == port]
-        internal = all(wiring[e.name]["inproc"] for e in edges)
-        if world_size > 1 and rank != 0 and not internal:
-            ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
-            continue
-        specs, recorders = [], {}
-        for e in edges:
-            specs.append(edge_spec(pipe, wiring, e.name, replica))
-            if e.cfg.record:
-                path = run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow"
-                recorders[e.name] = RecordWriter(path)
+        if world_size > 1 and rank != 0:  # only rank 0 sends, except to fused stages
+            edges = [e for e in edges if wiring[e.name]["inproc"]]
+            if not edges:
+                ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
+                continue
+        recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow")
+                     for e in edges if e.cfg.record and rank == 0}
+        specs = [edge_spec(pipe, wiring, e.name, replica) for e in edges]
         ctx.outputs[port] = OutputPort(zctx, port, specs, name, recorders)
     return node.cls(node.config, ctx)
 
@@ -163,9 +161,10 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
     """Run a host stage and every stage fused into it, concurrently, in this process."""
     group = None
     if world_size > 1:
+        import torch
         import torch.distributed as dist
 
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         group = dist.new_group(backend="gloo")
     zctx = zmq.asyncio.Context()
     nodes = [pipe.stages[stage_id]] + [n for n in pipe.stages.values() if n.colocate_with == stage_id]

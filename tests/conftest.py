@@ -1,0 +1,33 @@
+"""Shared fixtures: run a pipeline through the real runner and check for orphans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from molt.pipeline import Pipeline
+from molt.runner import Runner
+
+SOURCE = "stages.synthetic_source.SyntheticSource"
+SINK = "stages.metrics_sink.MetricsSink"
+
+
+def run_spec(spec: dict[str, Any], run_dir: Path) -> tuple[int, dict[str, Any]]:
+    """Run a pipeline dict to completion; return (exit code, summary.json)."""
+    runner = Runner(Pipeline.from_spec(spec), run_dir, live=False)
+    code = runner.run()
+    return code, json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture
+def no_orphans():
+    """Fail if the test leaves a child process of this pytest process behind."""
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    yield
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left behind: {[(c.pid, c.cmdline()) for c in left]}"

@@ -1,0 +1,162 @@
+"""Stage test doubles for the runtime tests (never used by a shipped pipeline)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import ClassVar
+
+import pyarrow as pa
+from pydantic import Field
+
+from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
+from molt.stage import Port, Service, StageConfig, Transform
+from molt.transport import Barrier
+
+COUNT_FIELD = pa.field("group_total", pa.int64())
+
+
+class Boom(Transform):
+    """Passes batches through and raises on batch number ``fail_at`` (or in setup)."""
+
+    class Config(StageConfig):
+        fail_at: int = 1
+        in_setup: bool = False
+        kill_self: bool = False
+
+    def setup(self) -> None:
+        if self.config.in_setup:
+            raise RuntimeError("boom in setup")
+        self.seen = 0
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        self.seen += 1
+        if self.seen >= self.config.fail_at:
+            if self.config.kill_self:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"boom at batch {self.seen}")
+        return batch
+
+
+class Sleepy(Transform):
+    """Sleeps ``sleep_s`` per batch; writes its pid so a test can find it."""
+
+    class Config(StageConfig):
+        sleep_s: float = 0.5
+        spawn_child: bool = False
+
+    def setup(self) -> None:
+        assert self.ctx.run_dir is not None
+        pids = [os.getpid()]
+        if self.config.spawn_child:  # like an engine process under a stage
+            self.child = subprocess.Popen(["sleep", "300"])
+            pids.append(self.child.pid)
+        (self.ctx.run_dir / f"pids.{self.ctx.stage_id}.{self.ctx.replica}").write_text(json.dumps(pids))
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        time.sleep(self.config.sleep_s)
+        return batch
+
+
+class GroupTotal(Transform):
+    """A torchrun-group stage: all ranks see the batch; adds the all-reduced row count."""
+
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=(COUNT_FIELD,))}
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([batch.num_rows], dtype=torch.int64)
+        dist.all_reduce(t)  # every rank contributes its copy of the row count
+        assert self.ctx.world_size == dist.get_world_size()
+        return batch.append_column(COUNT_FIELD, pa.array([int(t)] * batch.num_rows, pa.int64()))
+
+
+class Actor(Service):
+    """Rollout-shaped double: stamps rows with the newest weight version it has seen."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(), "weights": Port()}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=(pa.field("seen_version", pa.int32()),))}
+
+    async def run(self) -> None:
+        version = -1
+        while (item := await self.recv("in")) is not None:
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+                continue
+            await self.ctx.inputs["weights"].drain_nowait()
+            if (w := self.ctx.inputs["weights"].latest()) is not None:
+                version = w.column("policy_version")[0].as_py()
+            await self.send("out", item.append_column("seen_version", pa.array([version] * item.num_rows, pa.int32())))
+            await asyncio.sleep(0.05)
+
+
+class Learner(Service):
+    """Counts batches; after each publishes a weight-version record on ``weights``."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port()}
+
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in"),
+                                          "weights": Port(schema=WEIGHT_VERSION_SCHEMA)}
+
+    def setup(self) -> None:
+        self.version = 0
+
+    async def run(self) -> None:
+        while (item := await self.recv("in")) is not None:
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+                continue
+            self.version += 1
+            await self.send("out", item)
+            await self.send("weights", batch_from_rows([{
+                "policy_version": self.version, "uri": "file:///dev/null", "format": "safetensors",
+                "num_bytes": 0, "tensor_names": [], "tensor_sha256": [], "created_unix_s": time.time()}],
+                WEIGHT_VERSION_SCHEMA))
+
+
+class Counter(Transform):
+    """A sink with state, to test checkpoint barriers."""
+
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def setup(self) -> None:
+        self.rows = 0
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.rows += batch.num_rows
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows}
+
+
+class NeedsAdvantages(Transform):
+    """Reads a column that nothing upstream writes (for the edge-schema check)."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("advantages",))}
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        return None
+
+
+class Knobs(Transform):
+    """Has typed config for the YAML error tests."""
+
+    class Config(StageConfig):
+        temperature: float = 1.0
+        max_new_tokens: int = Field(16, ge=1)
+
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        return None
+
+
+def weights_json(batch: pa.RecordBatch) -> str:
+    return json.dumps(batch.to_pylist())

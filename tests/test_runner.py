@@ -1,0 +1,149 @@
+"""The runner through real processes and sockets: drain, failures, Ctrl-C, groups, replay."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pytest
+
+from molt.recording import read_batches
+from tests.conftest import SINK, SOURCE, run_spec
+
+MOLT = [sys.executable, "-m", "molt.cli"]
+
+
+def chain(*stages, record_last=False, **source_cfg):
+    """source -> stages... -> sink, as a pipeline dict."""
+    spec = {"name": "t", "stop_timeout_s": 5, "stages": {"source": {"class": SOURCE, "config": source_cfg}}, "edges": []}
+    prev = "source"
+    for name, cls, extra in stages:
+        spec["stages"][name] = {"class": cls, **extra}
+        spec["edges"].append({"from": prev, "to": name})
+        prev = name
+    spec["stages"]["sink"] = {"class": SINK}
+    spec["edges"].append({"from": prev, "to": "sink", "record": record_last})
+    return spec
+
+
+def recorded_rows(run_dir: Path, edge: str) -> list[dict]:
+    return [r for b in read_batches(run_dir / "record" / edge) for r in b.to_pylist()]
+
+
+def test_smoke_pipeline_runs_through_the_cli_and_delivers_every_row_once(tmp_path, no_orphans):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*MOLT, "run", "pipelines/smoke.yaml", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["metrics"]["source/rows_out"] == summary["metrics"]["sink/rows_in"] == 256
+    rows = recorded_rows(run_dir, "shape.out--sink.in")
+    assert len(rows) == 256 and len({r["sample_id"] for r in rows}) == 256
+    assert all(r["reward"] is not None for r in rows)
+    for name in ("pipeline.yaml", "wiring.json", "metrics.jsonl", "logs/shape.1.log", "status/sink.0.json"):
+        assert (run_dir / name).exists(), name
+    graph = subprocess.run([*MOLT, "graph", "pipelines/smoke.yaml"], capture_output=True, text=True, timeout=60)
+    assert graph.returncode == 0 and "shape.out->sink.in" in graph.stdout
+
+
+def test_record_then_replay_is_bit_identical(tmp_path, no_orphans):
+    first = tmp_path / "first"
+    code, _ = run_spec(chain(record_last=True, num_groups=6, groups_per_batch=2), first)
+    assert code == 0
+    recorded = first / "record" / "source.out--sink.in"
+    second = tmp_path / "second"
+    out = subprocess.run([*MOLT, "replay", str(recorded), "pipelines/smoke.yaml", "--into", "sink",
+                          "--run-dir", str(second)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    a = (recorded / "source.0.arrow").read_bytes()
+    b = (second / "record" / "replay.out--sink.in" / "replay.0.arrow").read_bytes()
+    assert len(a) > 1000 and a == b
+
+
+def test_a_stage_raising_in_process_stops_the_run_naming_it(tmp_path, no_orphans):
+    start = time.monotonic()
+    code, summary = run_spec(chain(("boom", "tests.doubles.stages.Boom", {"config": {"fail_at": 2}}),
+                                   num_groups=40, groups_per_batch=1), tmp_path / "run")
+    assert code == 1 and time.monotonic() - start < 60
+    assert summary["failed_stage"] == "boom.0"
+    assert "RuntimeError: boom at batch 2" in summary["error"]
+    down = json.loads((tmp_path / "run" / "status" / "sink.0.json").read_text())
+    assert down["upstream"] and "upstream stage 'boom' failed" in down["error"]
+
+
+def test_a_stage_failing_in_setup_stops_the_run(tmp_path, no_orphans):
+    code, summary = run_spec(chain(("boom", "tests.doubles.stages.Boom", {"config": {"in_setup": True}})),
+                             tmp_path / "run")
+    assert code == 1 and summary["failed_stage"] == "boom.0"
+    assert "boom in setup" in summary["error"]
+
+
+def test_a_stage_killed_with_sigkill_stops_the_run(tmp_path, no_orphans):
+    code, summary = run_spec(chain(("boom", "tests.doubles.stages.Boom", {"config": {"kill_self": True}}),
+                                   num_groups=40, groups_per_batch=1), tmp_path / "run")
+    assert code == 1 and summary["failed_stage"] == "boom.0"
+    assert "killed by signal SIGKILL" in summary["error"]
+
+
+def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans):
+    run_dir = tmp_path / "run"
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"replicas": 2, "config": {"sleep_s": 30, "spawn_child": True}}),
+                 num_groups=8)
+    path = tmp_path / "p.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    proc = subprocess.Popen([*MOLT, "run", str(path), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pid_files = [run_dir / f"pids.slow.{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [pid for p in pid_files for pid in json.loads(p.read_text())]
+    assert len(pids) == 4
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {alive}"
+    assert json.loads((run_dir / "summary.json").read_text())["error"] == "interrupted (Ctrl-C)"
+
+
+def test_a_declared_feedback_edge_still_drains(tmp_path, no_orphans):
+    spec = {"name": "fb", "stages": {
+        "source": {"class": SOURCE, "config": {"num_groups": 12, "groups_per_batch": 1}},
+        "actor": {"class": "tests.doubles.stages.Actor"},
+        "learner": {"class": "tests.doubles.stages.Learner"},
+        "sink": {"class": SINK}},
+        "edges": [{"from": "source", "to": "actor.in"}, {"from": "actor", "to": "learner"},
+                  {"from": "learner.out", "to": "sink", "record": True},
+                  {"from": "learner.weights", "to": "actor.weights", "kind": "broadcast", "feedback": True}]}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary
+    rows = recorded_rows(tmp_path / "run", "learner.out--sink.in")
+    assert len(rows) == 48
+    versions = [r["seen_version"] for r in rows]
+    assert versions == sorted(versions) and versions[-1] > 0, "the actor sees new weight versions"
+
+
+def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, no_orphans):
+    pytest.importorskip("torch")
+    spec = {"name": "grp", "stages": {
+        "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 2, "barrier_every_batches": 1}},
+        "total": {"class": "tests.doubles.stages.GroupTotal", "world_size": 2},
+        "tap": {"class": "tests.doubles.stages.Counter", "colocate_with": "total"},
+        "sink": {"class": SINK}},
+        "edges": [{"from": "source", "to": "total"}, {"from": "total", "to": "sink", "record": True},
+                  {"from": "total", "to": "tap"}]}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary
+    rows = recorded_rows(tmp_path / "run", "total.out--sink.in")
+    assert len(rows) == 24
+    assert {r["group_total"] for r in rows} == {16}, "each rank saw the 8-row batch: 2 x 8"
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_3" / "tap.0.json").read_text())
+    assert state == {"rows": 24}
+    assert json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "tap.0.json").read_text()) == {"rows": 8}

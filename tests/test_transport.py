@@ -1,0 +1,255 @@
+"""Edges over real loopback sockets (ipc:// in a temp dir, and inproc://)."""
+
+import asyncio
+import json
+
+import pyarrow as pa
+import pytest
+import zmq
+import zmq.asyncio
+
+from molt.transport import (DATA, Barrier, EdgeSpec, InputPort, OutputPort, ProtocolError,
+                            UpstreamError, encode_batch, keyed_split)
+
+SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
+
+
+def batch(ids, xs=None):
+    return pa.RecordBatch.from_pydict({"prompt_id": ids, "x": xs or list(range(len(ids)))}, schema=SCHEMA)
+
+
+def spec(tmp_path, kind="stream", producers=1, consumers=1, capacity=4, timeout=5.0):
+    return EdgeSpec("p.out->c.in", kind, tuple(f"ipc://{tmp_path}/e.{i}" for i in range(producers)),
+                    tuple(f"c.{j}" for j in range(consumers)), SCHEMA, "prompt_id", capacity, 64, timeout)
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def _drain(port):
+    items = []
+    while (item := await port.recv(timeout_s=5)) is not None:
+        items.append(item)
+    return items
+
+
+def test_stream_edge_delivers_every_row_once_across_two_consumers(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path, consumers=2)
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        ins = [InputPort(ctx, "in", [s], f"c.{j}") for j in range(2)]
+        for i in ins:
+            await i.start()
+        await out.wait_ready()
+        consumers = asyncio.gather(*(_drain(i) for i in ins))
+        for k in range(20):
+            await out.send(batch([f"g{k}"], [k]))
+        await out.send_end()
+        got = await consumers
+        for p in [out, *ins]:
+            p.close()
+        return got
+
+    got = asyncio.run(main())
+    xs = sorted(x for items in got for b in items for x in b.column("x").to_pylist())
+    assert xs == list(range(20))
+    assert all(len(items) > 0 for items in got), "both consumers get work"
+
+
+def test_keyed_edge_never_splits_a_group_across_replicas(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path, kind="keyed", consumers=3)
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        ins = [InputPort(ctx, "in", [s], f"c.{j}") for j in range(3)]
+        for i in ins:
+            await i.start()
+        await out.wait_ready()
+        ids = [f"g{k % 7}" for k in range(70)]
+        consumers = asyncio.gather(*(_drain(i) for i in ins))
+        for start in range(0, 70, 10):
+            await out.send(batch(ids[start:start + 10], list(range(start, start + 10))))
+        await out.send_end()
+        got = await consumers
+        out.close(), [i.close() for i in ins]
+        return got
+
+    got = asyncio.run(main())
+    owner = {}
+    for j, items in enumerate(got):
+        for b in items:
+            for pid in b.column("prompt_id").to_pylist():
+                assert owner.setdefault(pid, j) == j, f"group {pid} split across replicas"
+    assert len(owner) == 7 and sum(b.num_rows for items in got for b in items) == 70
+
+
+def test_keyed_split_is_stable_and_complete():
+    b = batch([f"g{k}" for k in range(10)])
+    parts = keyed_split(b, "prompt_id", 4)
+    assert sorted(x for p in parts.values() for x in p.column("x").to_pylist()) == list(range(10))
+    assert keyed_split(b, "prompt_id", 4).keys() == parts.keys()
+
+
+def test_credits_hold_a_producer_back_until_the_consumer_reads(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path, capacity=2)
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        await out.wait_ready()
+        await out.send(batch(["a"]))
+        await out.send(batch(["b"]))
+        blocked = asyncio.create_task(out.send(batch(["c"])))
+        await asyncio.sleep(0.5)
+        was_blocked = not blocked.done()
+        first = await inp.recv(timeout_s=5)  # returns one credit
+        await asyncio.wait_for(blocked, 5)
+        out.close(), inp.close()
+        return was_blocked, first
+
+    was_blocked, first = asyncio.run(main())
+    assert was_blocked, "a third batch must wait for a credit when capacity is 2"
+    assert first.column("prompt_id").to_pylist() == ["a"]
+
+
+def test_broadcast_gives_a_late_subscriber_the_latest_value(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path, kind="broadcast")
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        await out.wait_ready()  # does not wait for subscribers
+        await out.send(batch(["v1"]))
+        await out.send(batch(["v2"]))
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        first = await inp.recv(timeout_s=5)
+        await out.send(batch(["v3"]))
+        await asyncio.sleep(0.2)
+        await inp.drain_nowait()
+        newest = inp.latest()
+        out.close(), inp.close()
+        return first, newest
+
+    first, newest = asyncio.run(main())
+    assert first.column("prompt_id").to_pylist() == ["v2"]
+    assert newest.column("prompt_id").to_pylist() == ["v3"]
+
+
+def test_a_producer_names_the_missing_consumer_and_seconds_when_nobody_says_hello(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        out = OutputPort(ctx, "out", [(spec(tmp_path, consumers=2, timeout=1.0), 0)], "p.0")
+        try:
+            await out.wait_ready()
+        finally:
+            out.close()
+
+    with pytest.raises(TimeoutError, match=r"no hello from consumer\(s\) \['c.0', 'c.1'\] after 1 s"):
+        asyncio.run(main())
+
+
+def test_error_frames_raise_upstream_error_with_the_stage_name(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path)
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        await out.wait_ready()
+        await out.send_error("rollout", "Traceback: ValueError")
+        try:
+            await inp.recv(timeout_s=5)
+        finally:
+            out.close(), inp.close()
+
+    with pytest.raises(UpstreamError, match=r"upstream stage 'rollout' failed"):
+        asyncio.run(main())
+
+
+def test_barriers_are_aligned_across_producers(zctx, tmp_path):
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path, producers=2)
+        outs = [OutputPort(ctx, "out", [(s, i)], f"p.{i}") for i in range(2)]
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        for o in outs:
+            await o.wait_ready()
+        await outs[0].send(batch(["a"]))
+        await outs[0].send_barrier(1)
+        await outs[0].send(batch(["after-barrier"]))
+        await asyncio.sleep(0.2)
+        await outs[1].send(batch(["b"]))
+        await outs[1].send_barrier(1)
+        for o in outs:
+            await o.send_end()
+        items = await _drain(inp)
+        [o.close() for o in outs], inp.close()
+        return items
+
+    items = asyncio.run(main())
+    kinds = ["B" if isinstance(i, Barrier) else i.column("prompt_id")[0].as_py() for i in items]
+    assert kinds.index("B") > kinds.index("a") and kinds.index("B") > kinds.index("b")
+    assert kinds.index("after-barrier") > kinds.index("B")
+
+
+# Malformed frames: what each must raise on the consumer side.
+MALFORMED = [
+    ([b"Z", b""], r"unknown message kind b'Z'"),
+    ([DATA], r"expected 2 frames \[kind, payload\], got 1"),
+    ([DATA, b"\x00\x01garbage"], r"undecodable Arrow payload"),
+    ([DATA, None], r"undecodable Arrow payload"),  # truncated: filled in below
+    ([DATA, encode_batch(pa.RecordBatch.from_pydict({"y": [1]}))], r"schema differs from the edge's: "
+     r"missing columns \['prompt_id', 'x'\]; unexpected columns \['y'\]"),
+    ([b"H", b"{}"], r"producer sent kind b'H'"),
+]
+
+
+@pytest.mark.parametrize("frames,error", MALFORMED)
+def test_malformed_frames_raise_protocol_errors_naming_the_edge(zctx, tmp_path, frames, error):
+    if len(frames) == 2 and frames[1] is None:
+        full = encode_batch(batch(["a"])).to_pybytes()
+        frames = [DATA, full[: len(full) // 2]]
+
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path)
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(s.endpoints[0])
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        ident, kind, hello = await router.recv_multipart()
+        assert kind == b"H" and json.loads(hello)["credits"] == 4
+        await router.send_multipart([ident, *frames])
+        try:
+            await inp.recv(timeout_s=5)
+        finally:
+            router.close(linger=0), inp.close()
+
+    with pytest.raises(ProtocolError, match=r"edge p.out->c.in .*" + error):
+        asyncio.run(main())
+
+
+def test_received_batches_share_the_message_memory(zctx, tmp_path):
+    """Zero-copy receive: the column buffer lies inside the received frame."""
+    async def main():
+        ctx = zctx
+        s = spec(tmp_path)
+        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+        inp = InputPort(ctx, "in", [s], "c.0")
+        await inp.start()
+        await out.wait_ready()
+        await out.send(batch(["a"] * 1000, list(range(1000))))
+        b = await inp.recv(timeout_s=5)
+        out.close(), inp.close()
+        return b
+
+    b = asyncio.run(main())
+    assert b.column("x").to_pylist() == list(range(1000))
+    assert b.column("x").buffers()[1].parent is not None or not b.column("x").buffers()[1].is_mutable
