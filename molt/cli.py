@@ -59,7 +59,8 @@ def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) ->
     if target not in data.get("stages", {}):
         raise ValueError(f"{source}: --into {into!r}: no such stage; stages: {sorted(data.get('stages', {}))}")
     edges = data.get("edges", [])
-    upstream, frontier = set(), {target}
+    upstream: set[str] = set()
+    frontier = {target}
     while frontier:
         frontier = {e["from"].split(".")[0] for e in edges
                     if e["to"].split(".")[0] in frontier and not e.get("feedback")} - upstream - {target}

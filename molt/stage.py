@@ -32,7 +32,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from molt.metrics import MetricsWriter, get_logger
-from molt.transport import Barrier, InputPort, OutputPort
+from molt.ports import InputPort, OutputPort
+from molt.transport import Barrier
 
 
 class StageConfig(BaseModel):

@@ -30,7 +30,8 @@ from molt.metrics import MetricsWriter
 from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
-from molt.transport import Barrier, EdgeSpec, InputPort, OutputPort, UpstreamError, decode_batch, encode_batch
+from molt.ports import InputPort, OutputPort
+from molt.transport import Barrier, EdgeSpec, UpstreamError, decode_batch, encode_batch
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
@@ -127,8 +128,8 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
                 continue
         recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow")
                      for e in edges if e.cfg.record and rank == 0}
-        specs = [edge_spec(pipe, wiring, e.name, replica) for e in edges]
-        ctx.outputs[port] = OutputPort(zctx, port, specs, name, recorders)
+        ends = [edge_spec(pipe, wiring, e.name, replica) for e in edges]
+        ctx.outputs[port] = OutputPort(zctx, port, ends, name, recorders)
     return node.cls(node.config, ctx)
 
 
@@ -182,7 +183,8 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
                 raise t.exception()  # type: ignore[misc]
     finally:
         for s in stages:
-            for p in [*s.ctx.inputs.values(), *s.ctx.outputs.values()]:
+            ports: list[Any] = [*s.ctx.inputs.values(), *s.ctx.outputs.values()]
+            for p in ports:
                 p.close()
         zctx.term()
 

@@ -1,14 +1,10 @@
 """ShapeReward: ``reward`` = ``score`` plus DAPO's soft overlong punishment.
 
-Soft overlong punishment (DAPO, Yu et al. 2025, arXiv 2503.14476, eq. 13), with
-``L_max`` = ``max_new_tokens`` and ``L_cache`` = ``overlong_buffer_tokens``, for a
-completion of ``L`` generated tokens::
-
-    penalty(L) = 0                              if L <= L_max - L_cache
-               = ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
-               = -1                             if L > L_max
-
-``reward = score + overlong_penalty_factor * penalty(L)``. With
+``reward = score + overlong_penalty_factor * penalty(L)`` where ``L`` is the number
+of generated tokens (``sum(loss_mask)``) and ``penalty`` is
+:func:`molt.algorithms.dapo.overlong_penalty` (DAPO, arXiv 2503.14476, eq. 13) with
+``L_max`` = ``max_new_tokens`` and ``L_cache`` = ``overlong_buffer_tokens``.
+A null score (a failed rollout) stays null. With
 ``overlong_buffer_tokens: 0`` (the default) nothing is shaped and reward == score.
 Example: L_max 16, L_cache 4, L 14 -> penalty (12 - 14) / 4 = -0.5.
 """
@@ -21,18 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+import torch
+
+from molt.algorithms.dapo import overlong_penalty
 from molt.schema import COLUMNS
 from molt.stage import Port, StageConfig, Transform
-
-
-def overlong_penalty(num_tokens: int, max_new_tokens: int, buffer_tokens: int) -> float:
-    """DAPO soft overlong punishment in [-1, 0] for a completion of ``num_tokens``."""
-    free = max_new_tokens - buffer_tokens
-    if buffer_tokens == 0 or num_tokens <= free:
-        return 0.0
-    if num_tokens > max_new_tokens:
-        return -1.0
-    return (free - num_tokens) / buffer_tokens
 
 
 class ShapeReward(Transform):
@@ -55,10 +44,12 @@ class ShapeReward(Transform):
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         c = self.config
-        lengths = [sum(m) for m in batch.column("loss_mask").to_pylist()]
-        scores = batch.column("score").to_pylist()
-        rewards = [None if s is None else
-                   s + c.overlong_penalty_factor * overlong_penalty(n, c.max_new_tokens, c.overlong_buffer_tokens)
-                   for s, n in zip(scores, lengths)]
-        self.metrics.log({"reward_mean": pc.mean(pa.array(rewards, pa.float32())).as_py() or 0.0})
-        return batch.append_column(COLUMNS["reward"], pa.array(rewards, pa.float32()))
+        scores = batch.column("score").to_numpy(zero_copy_only=False)  # null -> nan
+        rewards = torch.as_tensor(scores, dtype=torch.float32)
+        if c.overlong_buffer_tokens:
+            lengths = torch.tensor([sum(m) for m in batch.column("loss_mask").to_pylist()])
+            penalty = overlong_penalty(lengths, c.max_new_tokens, c.overlong_buffer_tokens)
+            rewards = rewards + c.overlong_penalty_factor * penalty
+        column = pa.array(rewards.numpy(), pa.float32(), from_pandas=True)  # nan -> null again
+        self.metrics.log({"reward_mean": pc.mean(column).as_py() or 0.0})
+        return batch.append_column(COLUMNS["reward"], column)

@@ -1,7 +1,6 @@
 """The runner through real processes and sockets: drain, failures, Ctrl-C, groups, replay."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pyarrow as pa
 import pytest
 
 from molt.recording import read_batches

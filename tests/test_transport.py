@@ -8,8 +8,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from molt.transport import (DATA, Barrier, EdgeSpec, InputPort, OutputPort, ProtocolError,
-                            UpstreamError, encode_batch, keyed_split)
+from molt.ports import InputPort, OutputPort
+from molt.transport import DATA, Barrier, EdgeSpec, ProtocolError, UpstreamError, encode_batch, keyed_split
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
 

@@ -1,0 +1,54 @@
+"""molt inspect, replay_spec and --set, without starting a run."""
+
+import pytest
+
+from molt.cli import main, replay_spec
+from molt.recording import RecordWriter, summarize
+from molt.schema import COLUMNS, batch_from_rows, make_schema
+
+
+def _recording(tmp_path):
+    schema = make_schema([COLUMNS[c] for c in ("sample_id", "token_ids", "loss_mask", "score")], "trajectory")
+    path = tmp_path / "rec" / "x.0.arrow"
+    w = RecordWriter(path)
+    w.write(batch_from_rows([{"sample_id": "a", "token_ids": [1, 2, 3], "loss_mask": [False, True, True],
+                              "score": 1.0}], schema))
+    w.close()
+    return path
+
+
+class FakeTokenizer:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_inspect_prints_rows_columns_docs_and_a_decoded_sample(tmp_path, capsys):
+    path = _recording(tmp_path)
+    assert main(["inspect", str(path.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "1 file(s), 1 rows, 1 batches" in out and "molt.schema_version" in out
+    assert "true exactly on tokens the policy generated" in out and 'sample_id: "a"' in out
+    assert "text: b[[cd]]" in summarize(path, FakeTokenizer())
+
+
+def test_inspect_names_a_missing_file(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope.arrow")]) == 2
+    assert "nope.arrow' does not exist" in capsys.readouterr().err
+
+
+def test_graph_reports_a_yaml_error_with_exit_code_2(tmp_path, capsys):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("stages: {a: {class: stages.metrics_sink.MetricsSink, confg: {}}}\n")
+    assert main(["graph", str(bad)]) == 2
+    assert "stages.a.confg: unknown key; did you mean 'config'?" in capsys.readouterr().err
+
+
+def test_replay_spec_replaces_everything_upstream_of_the_target():
+    data = {"name": "p", "stages": {"a": {}, "b": {}, "c": {}, "d": {}},
+            "edges": [{"from": "a", "to": "b"}, {"from": "b", "to": "c"}, {"from": "c", "to": "d"},
+                      {"from": "c.weights", "to": "a.weights", "feedback": True}]}
+    out = replay_spec(data, "rec/", "c", "p.yaml")
+    assert sorted(out["stages"]) == ["c", "d", "replay"]
+    assert out["edges"] == [{"from": "replay", "to": "c", "record": True}, {"from": "c", "to": "d"}]
+    with pytest.raises(ValueError, match="--into 'zz': no such stage"):
+        replay_spec(data, "rec/", "zz", "p.yaml")

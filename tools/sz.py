@@ -1,0 +1,51 @@
+"""Lines per file and per function of molt/ and stages/, checked against a budget.
+
+Run ``python tools/sz.py``: prints the largest files and functions and exits 1
+past the budget. Raise a budget only on purpose, in its own commit, saying why.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+BUDGET_FILE_LINES = 420  # largest single file
+BUDGET_FUNCTION_LINES = 60  # largest single function (STYLE: 90th percentile 40-60)
+BUDGET_TOTAL_LINES = 9000  # molt/ + stages/
+ROOTS = ("molt", "stages")
+
+
+def functions(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    return [(f"{path}:{n.lineno} {n.name}", n.end_lineno - n.lineno + 1)  # type: ignore[operator]
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def report(root: Path) -> list[str]:
+    """Print the tables; return the budget violations."""
+    files = sorted(p for r in ROOTS for p in (root / r).rglob("*.py"))
+    sizes = {p.relative_to(root): len(p.read_text().splitlines()) for p in files}
+    funcs = [(name.replace(str(root) + "/", ""), n) for p in files for name, n in functions(p)]
+    total = sum(sizes.values())
+    print(f"{len(files)} files, {total} lines, {len(funcs)} functions")
+    for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {n:5d}  {p}")
+    lengths = sorted(n for _, n in funcs)
+    if lengths:
+        print(f"function lines: median {lengths[len(lengths) // 2]}, "
+              f"90th percentile {lengths[int(len(lengths) * 0.9)]}, max {lengths[-1]}")
+    for name, n in sorted(funcs, key=lambda kv: -kv[1])[:5]:
+        print(f"  {n:5d}  {name}")
+    bad = [f"{p}: {n} lines > {BUDGET_FILE_LINES}" for p, n in sizes.items() if n > BUDGET_FILE_LINES]
+    bad += [f"{name}: {n} lines > {BUDGET_FUNCTION_LINES}" for name, n in funcs if n > BUDGET_FUNCTION_LINES]
+    if total > BUDGET_TOTAL_LINES:
+        bad.append(f"total {total} lines > {BUDGET_TOTAL_LINES}")
+    return bad
+
+
+if __name__ == "__main__":
+    violations = report(Path(__file__).resolve().parents[1])
+    for v in violations:
+        print("over budget:", v)
+    sys.exit(1 if violations else 0)
