@@ -41,13 +41,13 @@ def test_smoke_pipeline_runs_through_the_cli_and_delivers_every_row_once(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert summary["metrics"]["source/rows_out"] == summary["metrics"]["sink/rows_in"] == 256
-    rows = recorded_rows(run_dir, "shape.out--sink.in")
+    rows = recorded_rows(run_dir, "advantage.out--sink.in")
     assert len(rows) == 256 and len({r["sample_id"] for r in rows}) == 256
-    assert all(r["reward"] is not None for r in rows)
+    assert all(r["reward"] is not None and len(r["advantages"]) == len(r["token_ids"]) for r in rows)
     for name in ("pipeline.yaml", "wiring.json", "metrics.jsonl", "logs/shape.1.log", "status/sink.0.json"):
         assert (run_dir / name).exists(), name
     graph = subprocess.run([*MOLT, "graph", "pipelines/smoke.yaml"], capture_output=True, text=True, timeout=60)
-    assert graph.returncode == 0 and "shape.out->sink.in" in graph.stdout
+    assert graph.returncode == 0 and "advantage.out->sink.in" in graph.stdout
 
 
 def test_record_then_replay_is_bit_identical(tmp_path, no_orphans):

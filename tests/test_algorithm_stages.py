@@ -1,0 +1,99 @@
+"""The thin stages that apply molt.algorithms to record batches, with exact values."""
+
+import pyarrow as pa
+import pytest
+import torch
+
+from molt.columns import padded, unpadded
+from molt.pipeline import Pipeline
+from molt.schema import COLUMNS, batch_from_rows, make_schema
+from molt.stage import StageContext
+from stages.dynamic_sampling import DynamicSampling
+from stages.group_advantage import GroupAdvantage
+from stages.shape_reward import ShapeReward
+
+COLS = ("sample_id", "prompt_id", "rollout_id", "token_ids", "loss_mask", "finish_reason", "reward")
+SCHEMA = make_schema([COLUMNS[c] for c in COLS], "trajectory")
+
+
+def rows(groups):
+    """groups: {prompt: [(reward, num_prompt_tokens, num_generated), ...]}"""
+    out = []
+    for p, samples in groups.items():
+        for k, (reward, n_prompt, n_gen) in enumerate(samples):
+            out.append({"sample_id": f"{p}-{k}", "prompt_id": p, "rollout_id": f"{p}-{k}",
+                        "token_ids": list(range(n_prompt + n_gen)),
+                        "loss_mask": [False] * n_prompt + [True] * n_gen,
+                        "finish_reason": "stop", "reward": reward})
+    return batch_from_rows(out, SCHEMA)
+
+
+def stage(cls, **config):
+    s = cls(cls.Config.model_validate(config), StageContext(cls.__name__.lower()))
+    s.setup()
+    return s
+
+
+def test_padded_and_unpadded_round_trip():
+    b = batch_from_rows([{**r, "token_ids": t} for r, t in zip(rows({"p": [(1.0, 1, 1), (0.0, 0, 1)]}).to_pylist(),
+                                                             [[1, 2], [3]])], SCHEMA)
+    t = padded(b, "token_ids", torch.int64)
+    assert t.tolist() == [[1, 2], [3, 0]]
+    assert unpadded(t, [2, 1], pa.int32()).to_pylist() == [[1, 2], [3]]
+
+
+def test_group_advantage_grpo_two_prompts_three_samples():
+    b = rows({"a": [(1.0, 2, 2), (0.0, 2, 1), (0.0, 2, 3)], "b": [(1.0, 1, 1)] * 3})
+    out = stage(GroupAdvantage).process(b)
+    adv = out.column("advantages").to_pylist()
+    # group a: mean 1/3, std (Bessel) 0.57735 -> [1.1547, -0.57735, -0.57735]; group b flat -> 0
+    assert adv[0] == pytest.approx([0, 0, 1.1547, 1.1547], abs=1e-4)
+    assert adv[1] == pytest.approx([0, 0, -0.57735], abs=1e-4)
+    assert adv[2][:2] == [0, 0] and adv[2][2:] == pytest.approx([-0.57735] * 3, abs=1e-4)
+    assert adv[3:] == [[0.0, 0.0]] * 3
+    assert out.schema.names[-1] == "advantages"
+
+
+def test_group_advantage_selects_rloo_by_yaml_type():
+    b = rows({"a": [(1.0, 0, 1), (0.0, 0, 1), (0.0, 0, 1), (0.0, 0, 1)]})
+    adv = stage(GroupAdvantage, estimator={"type": "rloo"}).process(b).column("advantages").to_pylist()
+    assert [a[0] for a in adv] == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+
+
+def test_group_advantage_refuses_a_null_reward_naming_the_row():
+    b = rows({"a": [(1.0, 0, 1), (None, 0, 1)]})
+    with pytest.raises(ValueError, match=r"column 'reward' is null in row a-1"):
+        stage(GroupAdvantage).process(b)
+
+
+def test_a_distillation_estimator_needs_teacher_logprobs_at_load(tmp_path):
+    spec = {"stages": {
+        "source": {"class": "stages.synthetic_source.SyntheticSource"},
+        "adv": {"class": "stages.group_advantage.GroupAdvantage", "config": {"estimator": {"type": "distillation"}}},
+        "sink": {"class": "stages.metrics_sink.MetricsSink"}},
+        "edges": [{"from": "source", "to": "adv"}, {"from": "adv", "to": "sink"}]}
+    with pytest.raises(ValueError, match=r"reads column 'teacher_logprobs' which no upstream stage writes"):
+        Pipeline.from_spec(spec)
+    spec["stages"]["adv"]["config"]["estimator"]["type"] = "grpoo"
+    with pytest.raises(ValueError, match=r"stages.adv.config.estimator: Input tag 'grpoo' found using 'type' "
+                                         r"does not match any of the expected tags"):
+        Pipeline.from_spec(spec)
+
+
+def test_dynamic_sampling_drops_flat_groups_and_counts_them():
+    s = stage(DynamicSampling)
+    b = rows({"a": [(1.0, 0, 1), (0.0, 0, 1), (1.0, 0, 1), (1.0, 0, 1)], "b": [(0.0, 0, 1)] * 4})
+    out = s.process(b)
+    assert out.column("prompt_id").to_pylist() == ["a"] * 4
+    assert s.metrics.counters == {"groups_dropped": 1, "groups_kept": 1, "rows_dropped": 4}
+    assert s.process(rows({"c": [(0.5, 0, 1)] * 3})) is None
+
+
+def test_shape_reward_applies_the_overlong_penalty_and_keeps_null_scores():
+    schema = make_schema([COLUMNS["score"], COLUMNS["loss_mask"]], "trajectory")
+    b = batch_from_rows([{"score": 1.0, "loss_mask": [False] + [True] * 14},
+                         {"score": None, "loss_mask": [True]},
+                         {"score": 0.0, "loss_mask": [True] * 17}], schema)
+    out = stage(ShapeReward, max_new_tokens=16, overlong_buffer_tokens=4).process(b)
+    # L=14: (12 - 14) / 4 = -0.5; L=17 > 16: -1
+    assert out.column("reward").to_pylist() == [0.5, None, -1.0]
