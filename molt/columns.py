@@ -16,7 +16,7 @@ import torch
 
 def row_lengths(batch: pa.RecordBatch, column: str) -> np.ndarray:
     """[N] number of values in each row of a list column (null rows count 0)."""
-    return batch.column(column).value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    return np.array(batch.column(column).value_lengths().fill_null(0).to_numpy(zero_copy_only=False))
 
 
 def padded(batch: pa.RecordBatch, column: str, dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ group gets [1.1547, -0.5774, -0.5774] on every generated token, the second 0.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import torch
 from pydantic import Field
@@ -43,7 +44,7 @@ class GroupAdvantage(Transform):
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         names = batch.schema.names
-        rewards = batch.column("reward").to_numpy(zero_copy_only=False) if "reward" in names else None
+        rewards = np.array(batch.column("reward").to_numpy(zero_copy_only=False)) if "reward" in names else None
         inputs = AdvantageInputs(
             prompt_ids=batch.column("prompt_id").to_pylist(),
             rollout_ids=batch.column("rollout_id").to_pylist(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
@@ -44,7 +45,7 @@ class ShapeReward(Transform):
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         c = self.config
-        scores = batch.column("score").to_numpy(zero_copy_only=False)  # null -> nan
+        scores = np.array(batch.column("score").to_numpy(zero_copy_only=False))  # null -> nan
         rewards = torch.as_tensor(scores, dtype=torch.float32)
         if c.overlong_buffer_tokens:
             lengths = torch.tensor([sum(m) for m in batch.column("loss_mask").to_pylist()])
