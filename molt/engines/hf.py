@@ -1,0 +1,235 @@
+"""An in-process transformers engine: the exact, seedable test double.
+
+It decodes each request token by token with a KV cache, one forward at a time
+(requests interleave between decode steps; nothing is batched), in fp32 by
+default, so its recorded logprobs are those of the distribution it sampled:
+
+    logp = log_softmax(logits / temperature)      # [V]
+    token ~ Categorical(exp(logp)),  logprob = logp[token]
+
+With temperature 0 it takes argmax(logits) and records log_softmax(logits)[token].
+
+Seeding: a request with `seed=s` samples from a torch generator seeded with
+blake2b(f"{s}/{request_id}"), so the same (seed, request_id) reproduces the
+same completion across runs, and n samples of one prompt sent with one seed
+and ids "p/0".."p/3" draw four independent streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
+from molt.engines.weights import check_weights_file, tensor_digest
+
+logger = logging.getLogger(__name__)
+
+
+def request_seed(seed: int, request_id: str) -> int:
+    """Derive a 63-bit generator seed from a user seed and a request id.
+
+    Example: request_seed(7, "q1/0") != request_seed(7, "q1/1"); both are
+    the same on every run and machine.
+    """
+    digest = hashlib.blake2b(f"{seed}/{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def eos_token_ids(model: PreTrainedModel) -> set[int]:
+    """The model's end-of-sequence ids from its generation config or config."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@dataclasses.dataclass
+class _Request:
+    """Decode state of one in-flight request."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    past: Any = None
+    aborted: bool = False
+    completion: Completion = dataclasses.field(
+        default_factory=lambda: Completion([], [], [], "length"))
+
+
+class TransformersEngine(Engine):
+    """A Hugging Face causal LM sampled in this process (see module docstring).
+
+    Args:
+        model: a model folder or hub id, or an already built causal LM.
+        dtype: dtype to load a folder in; fp32 keeps logprobs exact.
+        device: torch device to run on.
+        policy_version: version of the initial weights.
+    """
+
+    def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", policy_version: int = 0) -> None:
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self._model: PreTrainedModel | None = model.to(device).eval()  # type: ignore[arg-type]
+        self._device = torch.device(device)
+        self._eos_ids = eos_token_ids(model)
+        self._version = policy_version
+        self._requests: dict[str, _Request] = {}
+        self._step_lock = asyncio.Lock()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self.last_weight_digests: dict[str, str] = {}
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights that the next decode step will use."""
+        return self._version
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> Completion:
+        """Sample one completion token by token; see `Engine.generate`."""
+        check_prompt(request_id, prompt_token_ids)
+        self._check_open()
+        if request_id in self._requests:
+            raise ValueError(f"request id already in flight; got {request_id!r}; "
+                             "hint: give every sample its own id, e.g. 'prompt/3'")
+        request = _Request(list(prompt_token_ids), params, self._generator(request_id, params))
+        self._requests[request_id] = request
+        try:
+            return await self._decode_loop(request)
+        finally:
+            del self._requests[request_id]
+
+    async def _decode_loop(self, request: _Request) -> Completion:
+        """Run decode steps until stop, length or abort; return the completion."""
+        completion = request.completion
+        stop_ids = self._eos_ids | set(request.params.stop_token_ids)
+        while True:
+            await self._unpaused.wait()
+            if request.aborted or self._model is None:
+                completion.finish_reason = "abort"
+                return completion
+            async with self._step_lock:  # a weight load waits for the step in progress
+                if not self._unpaused.is_set():  # paused while this request waited
+                    continue
+                token, logprob = await asyncio.to_thread(self._step, request)
+                version = self._version
+            completion.token_ids.append(token)
+            completion.logprobs.append(logprob)
+            completion.policy_versions.append(version)
+            reason = _finish_reason(token, len(completion.token_ids), stop_ids, request.params)
+            if reason is not None:
+                completion.finish_reason = reason
+                return completion
+
+    @torch.inference_mode()
+    def _step(self, request: _Request) -> tuple[int, float]:
+        """One forward (the whole prompt first, then the last token) and one sample."""
+        model = self._model
+        assert model is not None, "closed engines end requests before stepping"
+        new_ids = request.completion.token_ids[-1:] or request.prompt_token_ids
+        input_ids = torch.tensor([new_ids], device=self._device)  # [1, N]
+        out = model(input_ids=input_ids, past_key_values=request.past, use_cache=True)
+        request.past = out.past_key_values
+        logits = out.logits[0, -1].float()  # [V]
+        return sample_token(logits, request.params, request.generator)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """A generator seeded from (seed, request_id), or freshly when seed is None."""
+        generator = torch.Generator(device=self._device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(request_seed(params.seed, request_id))
+        return generator
+
+    async def pause(self) -> None:
+        """Hold every request before its next decode step; waits for the one running."""
+        self._unpaused.clear()
+        async with self._step_lock:
+            pass
+
+    async def resume(self) -> None:
+        """Let held requests continue."""
+        self._unpaused.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Mark a request aborted; it returns before its next decode step."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.aborted = True
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Copy HF-named weights into the model between two decode steps.
+
+        In-flight requests keep their KV cache (computed by the old weights) and
+        continue on the new weights, as vLLM does.
+
+        Raises:
+            ValueError: if the file is missing, or its names do not cover the
+                model's parameters (tied weights excepted).
+        """
+        self._check_open()
+        check_weights_file(path)
+        state = load_file(path)
+        async with self._step_lock:
+            await asyncio.to_thread(self._copy_weights, state)
+            self._version = version
+        self.last_weight_digests = {name: tensor_digest(t) for name, t in state.items()}
+        logger.info("loaded weights version %d from %s", version, path)
+
+    def _copy_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """load_state_dict, refusing unknown names and missing untied ones."""
+        assert self._model is not None
+        missing, unexpected = self._model.load_state_dict(state, strict=False)
+        loaded_ptrs = {p.data_ptr() for n, p in self._model.state_dict().items() if n in state}
+        params = self._model.state_dict()
+        untied_missing = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
+        if unexpected or untied_missing:
+            raise ValueError("weights file does not match the model; got unexpected "
+                             f"{sorted(unexpected)[:5]} and missing {untied_missing[:5]}; "
+                             "hint: export full HF-named weights of the same architecture")
+
+    def close(self) -> None:
+        """Drop the model; in-flight requests end with finish_reason "abort"."""
+        self._model = None
+        self._unpaused.set()
+
+    def _check_open(self) -> None:
+        """Raise RuntimeError if the engine is closed."""
+        if self._model is None:
+            raise RuntimeError("TransformersEngine is closed")
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator) -> tuple[int, float]:
+    """Sample from logits [V] (fp32); return (token id, its logprob as sampled)."""
+    if params.greedy:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+    else:
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def _finish_reason(token: int, num_tokens: int, stop_ids: set[int],
+                   params: SamplingParams) -> FinishReason | None:
+    """'stop' on a stop id, 'length' at max_new_tokens, else None (continue)."""
+    if token in stop_ids:
+        return "stop"
+    if num_tokens >= params.max_new_tokens:
+        return "length"
+    return None

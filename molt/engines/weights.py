@@ -1,0 +1,77 @@
+"""Reading refit weights and fingerprinting them, shared by engines and trainer.
+
+A refit passes full Hugging Face-named weights as one safetensors file (on one
+host: in /dev/shm). Each engine fingerprints every tensor as it consumes it,
+so the sender can compare with the fingerprints of what it wrote: a refit that
+silently loads stale or different bytes is caught by comparing two dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Fingerprint a tensor's dtype, shape and raw bytes.
+
+    Returns:
+        A 32-hex-digit BLAKE2b digest; equal for two tensors exactly when
+        (barring collisions) dtype, shape and every byte are equal.
+    """
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(f"{flat.dtype}|{tuple(tensor.shape)}|".encode())
+    hasher.update(flat.view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+def check_weights_file(path: str) -> None:
+    """Refuse a weights path that is not an existing safetensors file.
+
+    Raises:
+        ValueError: if `path` does not exist or does not end in .safetensors.
+    """
+    if not path.endswith(".safetensors") or not os.path.isfile(path):
+        raise ValueError(f"weights must be an existing .safetensors file; got {path!r}; "
+                         "hint: export with safetensors.torch.save_file, ideally to /dev/shm")
+
+
+def iter_weights(path: str,
+                 digests: dict[str, str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a safetensors file, recording each digest.
+
+    Args:
+        path: a .safetensors file of HF-named tensors.
+        digests: filled in place with name -> `tensor_digest` of each tensor as
+            it is yielded (so it covers exactly what the consumer received);
+            None skips digesting.
+    """
+    with safe_open(path, framework="pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            if digests is not None:
+                digests[name] = tensor_digest(tensor)
+            yield name, tensor
+
+
+def file_digests(path: str) -> dict[str, str]:
+    """Digest every tensor of a safetensors file: name -> `tensor_digest`."""
+    digests: dict[str, str] = {}
+    for _ in iter_weights(path, digests):
+        pass
+    return digests
+
+
+def mismatched_digests(sent: dict[str, str], received: dict[str, str]) -> list[str]:
+    """Names whose digest differs or that only one side has, sorted.
+
+    Example: mismatched_digests({"a": "1", "b": "2"}, {"a": "1", "b": "3"}) == ["b"].
+    An empty list means the receiver consumed exactly the bytes that were sent.
+    """
+    names = set(sent) | set(received)
+    return sorted(name for name in names if sent.get(name) != received.get(name))
