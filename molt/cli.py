@@ -90,7 +90,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        from molt.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
     print(summarize(args.file, tokenizer, args.samples))
     return 0
 

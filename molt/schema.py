@@ -74,8 +74,9 @@ WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
     _field("format", pa.string(), "safetensors | nccl | cuda_ipc"),
     _field("num_bytes", pa.int64(), "total size of the tensor bytes (bytes)"),
     _field("tensor_names", pa.list_(pa.string()), "[N] Hugging Face names of every exported tensor"),
-    _field("tensor_sha256", pa.list_(pa.string()),
-           "[N] hex sha256 of each tensor's bytes, in tensor_names order, for refit verification"),
+    _field("tensor_digests", pa.list_(pa.string()),
+           "[N] digest of each tensor's dtype, shape and bytes (molt.engines.weights.tensor_digest), "
+           "in tensor_names order; the engine recomputes them as it loads (refit verification)"),
     _field("created_unix_s", pa.float64(), "when the export finished (seconds since epoch)"),
 )
 

@@ -40,3 +40,23 @@ def default_model_dir() -> Path:
     from molt.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with SmolLM2's real tokenizer and chat template (fast)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_chat_model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, folder / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=2, bos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

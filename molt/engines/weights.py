@@ -75,3 +75,19 @@ def mismatched_digests(sent: dict[str, str], received: dict[str, str]) -> list[s
     """
     names = set(sent) | set(received)
     return sorted(name for name in names if sent.get(name) != received.get(name))
+
+
+def verify_refit(version: int, sent: dict[str, str], loaded: dict[str, str]) -> None:
+    """Check that the engine loaded exactly the tensors the trainer exported.
+
+    ``sent`` maps tensor names to the trainer's :func:`tensor_digest` (the
+    weight-version record's ``tensor_names``/``tensor_digests``), ``loaded`` the
+    digests the engine computed as its loader consumed each tensor.
+
+    Raises:
+        RuntimeError: naming the tensors that differ or were not loaded.
+    """
+    bad = sorted(n for n, d in sent.items() if loaded.get(n) != d)
+    if bad:
+        raise RuntimeError(f"refit to version {version} is not verified: {len(bad)} tensor(s) differ "
+                           f"or were not loaded, e.g. {bad[:5]}")

@@ -116,7 +116,7 @@ class Learner(Service):
             await self.send("out", item)
             await self.send("weights", batch_from_rows([{
                 "policy_version": self.version, "uri": "file:///dev/null", "format": "safetensors",
-                "num_bytes": 0, "tensor_names": [], "tensor_sha256": [], "created_unix_s": time.time()}],
+                "num_bytes": 0, "tensor_names": [], "tensor_digests": [], "created_unix_s": time.time()}],
                 WEIGHT_VERSION_SCHEMA))
 
 
@@ -160,3 +160,108 @@ class Knobs(Transform):
 
 def weights_json(batch: pa.RecordBatch) -> str:
     return json.dumps(batch.to_pylist())
+
+
+class FakeCompletions(Transform):
+    """Rollout-shaped double for the reward tests: ``samples_per_prompt`` rows per prompt.
+
+    Builds new rows (its output does not pass its input, since ``metadata`` has one
+    owner per edge): sample k of prompt p gets ``sample_id`` "p/k" and metadata = the
+    prompt's metadata plus ``completion_text`` "The answer is {answer}." for even k,
+    "I am not sure." for odd k (so the math grader scores 1, 0, 1, 0, ...).
+    """
+
+    class Config(StageConfig):
+        samples_per_prompt: int = Field(2, ge=1)
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "metadata"))}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=("sample_id", "prompt_id", "metadata"))}
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        from molt.schema import make_schema, resolve_fields
+
+        rows = []
+        for prompt in batch.to_pylist():
+            meta = json.loads(prompt["metadata"])
+            for k in range(self.config.samples_per_prompt):
+                text = f"The answer is {meta['answer']}." if k % 2 == 0 else "I am not sure."
+                rows.append({"sample_id": f"{prompt['prompt_id']}/{k}", "prompt_id": prompt["prompt_id"],
+                             "metadata": json.dumps({**meta, "completion_text": text})})
+        schema = make_schema(resolve_fields(("sample_id", "prompt_id", "metadata"), "FakeCompletions"), "trajectory")
+        return batch_from_rows(rows, schema)
+
+
+class ScriptedEnv:
+    """A three-turn env: replies 'try again' twice, then ends with reward 1."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, task: dict) -> list:
+        return [{"role": "user", "content": task["question"]}]
+
+    def step(self, action: str):
+        from molt.agents import Result
+
+        self.turns += 1
+        if self.turns == 3:
+            return Result(reward=1.0, terminated=True, info={"turns": 3})
+        return Result(observation=f"try again ({self.turns})")
+
+
+class FailingEnv(ScriptedEnv):
+    """Raises on the first step of every other rollout."""
+
+    count = 0
+
+    def step(self, action: str):
+        FailingEnv.count += 1
+        if FailingEnv.count % 2:
+            raise KeyError("broken tool")
+        return super().step(action)
+
+
+class EndlessEnv(ScriptedEnv):
+    """Never terminates."""
+
+    def step(self, action: str):
+        from molt.agents import Result
+
+        return Result(observation="more")
+
+
+class SlowTrainer(Service):
+    """Simulated slow trainer: takes ``groups_per_step`` groups per step, checks every
+    token's staleness, sleeps, then publishes version k+1 (same weights, real digests)."""
+
+    class Config(StageConfig):
+        groups_per_step: int = 2
+        max_staleness: int = 0
+        step_seconds: float = 0.5
+        weights_path: str
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("policy_version", "prompt_id"))}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in"), "weights": Port(schema=WEIGHT_VERSION_SCHEMA)}
+
+    async def run(self) -> None:
+        from molt.engines.weights import file_digests
+
+        digests = file_digests(self.config.weights_path)
+        step, groups = 0, []
+        while (item := await self.recv("in")) is not None:
+            groups.append(item)
+            if len(groups) < self.config.groups_per_step:
+                continue
+            versions = [v for b in groups for row in b.column("policy_version").to_pylist() for v in row if v >= 0]
+            if min(versions) < step - self.config.max_staleness:
+                raise RuntimeError(f"step {step}: token version {min(versions)} is too stale")
+            for b in groups:
+                await self.send("out", b)
+            groups, step = [], step + 1
+            await asyncio.sleep(self.config.step_seconds)
+            await self.send("weights", batch_from_rows([{
+                "policy_version": step, "uri": f"file://{self.config.weights_path}", "format": "safetensors",
+                "num_bytes": 0, "tensor_names": list(digests), "tensor_digests": list(digests.values()),
+                "created_unix_s": time.time()}], WEIGHT_VERSION_SCHEMA))
+        for b in groups:
+            await self.send("out", b)

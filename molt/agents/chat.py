@@ -1,0 +1,68 @@
+"""Chat-template token ids without ever re-encoding what the policy generated.
+
+The prompt is rendered once with the model's own template. After the policy's turn
+(whose exact engine tokens are kept), only the *delta* is tokenized: the text the
+template puts after an assistant message (e.g. ``"\\n"`` after ``<|im_end|>``)
+followed by the next user/tool message and the generation prompt. The delta is
+found by rendering a probe conversation with and without the new message and
+cutting the common prefix, so any template that renders earlier turns unchanged
+works; one that rewrites them (e.g. drops earlier reasoning) raises, and the
+caller starts a new segment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt.agents.base import Message
+
+_PROBE = "\u2063molt-probe\u2063"
+
+
+class ChatTemplate:
+    """Renders prompts and turn deltas with a Hugging Face tokenizer's template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; hint: use an instruct model "
+                             "whose tokenizer_config.json or chat_template.jinja defines one")
+        self.tok = tokenizer
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return str(self.tok.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of template text (special tokens parsed, no BOS added)."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]:
+        """[P] token ids of the opening messages plus the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of generated tokens (for the env and graders only, never for training)."""
+        return str(self.tok.decode(token_ids, skip_special_tokens=True))
+
+    def turn_delta_ids(self, messages: list[Message], new: list[Message], ended_with_eos: bool) -> list[int]:
+        """Token ids that follow the assistant's last generated token to open the next turn.
+
+        ``messages`` is the conversation so far ending with the assistant turn,
+        ``new`` the environment's messages. If the assistant turn did not end with
+        EOS (cut by length), the template's end-of-turn text is included.
+
+        Raises:
+            ValueError: the template renders earlier turns differently once ``new``
+                is added (the delta is not a pure suffix).
+        """
+        probe = [*messages[:-1], {"role": "assistant", "content": _PROBE}]
+        before = self.render(probe, add_generation_prompt=False)
+        after = self.render([*probe, *new], add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template rewrites earlier turns when a message is added; "
+                             "hint: this turn must start a new segment")
+        closing = before[before.rindex(_PROBE) + len(_PROBE):]  # what follows assistant content
+        if ended_with_eos and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text):]  # the engine generated the EOS itself
+        return self.encode(closing + after[len(before):])

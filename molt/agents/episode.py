@@ -1,0 +1,128 @@
+"""The framework-owned generation loop: one rollout of an :class:`Env`, token-exact.
+
+Each turn: 1) the engine generates from the current token ids; its ids, logprobs
+and versions are appended untouched (``loss_mask`` true); 2) the decoded text goes
+to ``env.step``; 3) unless the episode ended, the env's reply is appended as
+chat-template delta tokens (``loss_mask`` false, ``policy_version`` -1). If the
+template cannot extend the sequence (it rewrites earlier turns), the rollout starts
+a new *segment* from a fresh render of the whole conversation; segments share the
+rollout's reward.
+
+Budgets: ``max_turns`` policy turns and ``max_total_tokens`` per segment (the
+context window): a turn gets ``min(max_new_tokens, budget left)`` new tokens and an
+episode with no budget left ends as truncated (finish_reason ``length``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from molt.agents.base import AgentError, Env, Message
+from molt.agents.chat import ChatTemplate
+from molt.engines.base import Engine, SamplingParams
+
+
+@dataclasses.dataclass
+class Segment:
+    """Per-token lists of one row, all of length T."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[bool] = dataclasses.field(default_factory=list)
+    rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
+    policy_version: list[int] = dataclasses.field(default_factory=list)
+
+    def extend_context(self, ids: list[int]) -> None:
+        """Append prompt, tool or env tokens (not trained on)."""
+        self.token_ids += ids
+        self.loss_mask += [False] * len(ids)
+        self.rollout_logprobs += [0.0] * len(ids)
+        self.policy_version += [-1] * len(ids)
+
+
+@dataclasses.dataclass
+class Episode:
+    """One finished rollout: its segments, score and diagnostics."""
+
+    segments: list[Segment]
+    score: float | None
+    finish_reason: str
+    num_turns: int
+    completion_text: str
+    info: dict[str, Any]
+
+
+async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[str, Any],
+                      params: SamplingParams, request_id: str, max_turns: int = 1,
+                      max_total_tokens: int = 2048) -> Episode:
+    """Run one rollout of ``env`` on ``task`` (see the module docstring).
+
+    Raises:
+        ValueError: the opening prompt is empty or does not fit ``max_total_tokens``.
+        AgentError: ``env.reset`` or ``env.step`` raised (the caller counts the failure).
+    """
+    messages: list[Message] = list(_call_env(env.reset, task, request_id))
+    seg = Segment()
+    seg.extend_context(chat.prompt_ids(messages))
+    if not 0 < len(seg.token_ids) < max_total_tokens:
+        raise ValueError(f"request {request_id}: prompt has {len(seg.token_ids)} tokens; the context "
+                         f"window (max_total_tokens) is {max_total_tokens}; hint: shorten the prompt")
+    segments, score, finish, text, turns = [seg], None, "length", "", 0
+    info: dict[str, Any] = {}
+    for turns in range(1, max_turns + 1):
+        budget = min(params.max_new_tokens, max_total_tokens - len(seg.token_ids))
+        if budget <= 0:
+            finish = "length"
+            break
+        out = await engine.generate(f"{request_id}/t{turns}", seg.token_ids,
+                                    dataclasses.replace(params, max_new_tokens=budget))
+        seg.token_ids += out.token_ids
+        seg.loss_mask += [True] * len(out.token_ids)
+        seg.rollout_logprobs += out.logprobs
+        seg.policy_version += out.policy_versions
+        text = chat.decode(out.token_ids)
+        messages.append({"role": "assistant", "content": text})
+        result = _call_env(env.step, text, request_id)
+        score, finish, info = result.reward, out.finish_reason, {**info, **result.info}
+        if result.terminated or result.truncated or out.finish_reason == "abort" or turns == max_turns:
+            finish = "length" if result.truncated else finish
+            break
+        new = [result.observation if isinstance(result.observation, dict)
+               else {"role": "user", "content": str(result.observation or "")}]
+        try:
+            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop"))
+        except ValueError:  # the template rewrote earlier turns: continue in a new segment
+            seg = Segment()
+            seg.extend_context(chat.prompt_ids([*messages, *new]))
+            segments.append(seg)
+        messages += new
+    return Episode(segments, score, finish, turns, text, info)
+
+
+def _call_env(method: Any, arg: Any, request_id: str) -> Any:
+    try:
+        return method(arg)
+    except Exception as e:  # noqa: BLE001 - any env failure is this rollout's, not the stage's
+        raise AgentError(f"request {request_id}: {type(e).__name__} in env.{method.__name__}: {e}") from e
+
+
+def episode_rows(ep: Episode, prompt_id: str, rollout_id: str, task: dict[str, Any], group_size: int,
+                 with_score: bool) -> list[dict[str, Any]]:
+    """Trajectory rows (molt.schema columns), one per segment, of a finished rollout.
+
+    ``metadata`` holds the task's fields plus ``completion_text`` (the last turn,
+    decoded, for graders), ``num_turns`` and ``env_info``; ``score`` is included
+    when the env grades (``with_score``).
+    """
+    meta = json.dumps({**task, "completion_text": ep.completion_text, "num_turns": ep.num_turns,
+                       "env_info": ep.info})
+    rows = []
+    for s, seg in enumerate(ep.segments):
+        row = {"sample_id": f"{rollout_id}/{s}", "prompt_id": prompt_id, "rollout_id": rollout_id,
+               "segment_index": s, **dataclasses.asdict(seg), "group_size": group_size,
+               "finish_reason": ep.finish_reason, "metadata": meta}
+        if with_score:
+            row["score"] = ep.score
+        rows.append(row)
+    return rows

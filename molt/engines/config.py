@@ -1,0 +1,34 @@
+"""Engine selection from YAML: ``engine: {type: vllm, dtype: float32, ...}``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.engines.base import Engine
+
+
+class EngineConfig(BaseModel):
+    """Which engine runs the policy and how it is sized."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["vllm", "transformers"] = Field("vllm", description="transformers = the test double")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="fp32 matches an fp32 trainer")
+    max_model_len: int = Field(2048, ge=16, description="context window (tokens)")
+    kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size (GiB)")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM sequences decoded at once")
+
+
+def make_engine(config: EngineConfig, model_dir: str) -> Engine:
+    """Start the configured engine on a local Hugging Face folder."""
+    if config.type == "vllm":
+        from molt.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
+                          kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs)
+    import torch
+
+    from molt.engines.hf import TransformersEngine
+
+    return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype))

@@ -1,0 +1,156 @@
+"""Graders: score a completion against a reference answer (1.0 right, 0.0 wrong).
+
+A grader is a pydantic config with a ``type: Literal[...]`` tag and one method,
+``grade(completion, answer) -> Grade``; adding a grader is one class here plus one
+member of the :data:`GraderConfig` union (YAML: ``grader: {type: math}``).
+
+The math grader works in two steps:
+
+1. **Extract** the final answer from the completion (:func:`extract_answer`): the
+   content of the last ``\\boxed{...}``; else the number after the last ``#### ``
+   (GSM8K's convention); else the last number in the text. Thousands separators and
+   a leading ``$`` are dropped. Nothing found -> no answer, score 0.
+2. **Compare** (:func:`answers_match`): if both sides are plain numbers (integers,
+   decimals, ``a/b``) they are compared exactly as fractions; otherwise both are
+   handed to ``math-verify`` (``parse`` + ``verify``), which compares symbolically
+   (``\\frac{1}{2}`` vs ``0.5``, ``2\\sqrt{2}`` vs ``\\sqrt{8}``).
+
+Example: ``MathGrader().grade("so 3 + 4 = 7. #### 7", "7")`` -> ``Grade(1.0, "7")``;
+``grade("I think 3 then 5", "5")`` -> 1.0 (last number); ``grade("no idea", "5")`` ->
+``Grade(0.0, None)``.
+
+The completion text is used for grading only; it never feeds training.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from fractions import Fraction
+from typing import Annotated, Literal, NamedTuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: A number as a model writes it: optional minus, thousands separators, decimals or a/b.
+_NUMBER = r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_HASHES_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER.replace(r"(?<![\w.])", "") + ")")
+_BOXED = "\\boxed{"
+_MATH_VERIFY_TIMEOUT_S = 5
+
+
+class Grade(NamedTuple):
+    """One graded completion: ``score`` in {0.0, 1.0}; ``extracted`` None = no answer found."""
+
+    score: float
+    extracted: str | None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces (None if none or unclosed)."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, i = 1, start + len(_BOXED)
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def _clean_number(text: str) -> str:
+    """``"$1,234"`` -> ``"1234"``; other text is returned stripped, unchanged."""
+    stripped = text.strip().lstrip("$").strip()
+    candidate = stripped.replace(",", "")
+    return candidate if _NUMBER_RE.fullmatch(candidate) else text.strip()
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer written in ``completion``, or None if there is none.
+
+    Order: last ``\\boxed{...}``; else the number after the last ``####``; else the
+    last number in the text. Examples: ``"The answer is \\boxed{42}."`` -> ``"42"``;
+    ``"#### 1,234"`` -> ``"1234"``; ``"I think 3 then 5"`` -> ``"5"``; ``"-7."`` ->
+    ``"-7"``; ``"no number"`` -> None.
+    """
+    boxed = _last_boxed(completion)
+    if boxed:
+        return _clean_number(boxed)
+    hashes = _HASHES_RE.findall(completion)
+    if hashes:
+        return _clean_number(hashes[-1])
+    numbers = _NUMBER_RE.findall(completion)
+    return _clean_number(numbers[-1]) if numbers else None
+
+
+def _as_fraction(text: str) -> Fraction | None:
+    """Exact value of a plain number (``"0.5"``, ``"-3"``, ``"1/2"``, ``"1,234"``); else None."""
+    candidate = _clean_number(text)
+    if not _NUMBER_RE.fullmatch(candidate):
+        return None
+    try:
+        return Fraction(candidate)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _math_verify_match(extracted: str, answer: str) -> bool:
+    """Symbolic comparison through math-verify (LaTeX or plain expressions)."""
+    from math_verify import parse, verify
+
+    # math-verify's timeout uses SIGALRM, which only the main thread may install.
+    timeout = _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${answer}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+    pred = parse(f"${extracted}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
+
+
+def answers_match(extracted: str, answer: str) -> bool:
+    """True if ``extracted`` equals the reference ``answer`` as a value.
+
+    Plain numbers compare exactly (``"0.5"`` == ``"1/2"``, ``"12.0"`` == ``"12"``);
+    anything else goes through math-verify (``"\\frac{1}{2}"`` == ``"0.5"``).
+    """
+    left, right = _as_fraction(extracted), _as_fraction(answer)
+    if left is not None and right is not None:
+        return left == right
+    return _math_verify_match(extracted, answer)
+
+
+class _GraderConfig(BaseModel):
+    """Unknown keys fail at load; configs are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MathGrader(_GraderConfig):
+    """Final-answer math grading: extract (boxed, ####, last number), then compare by value."""
+
+    type: Literal["math"] = "math"
+
+    def grade(self, completion: str, answer: str) -> Grade:
+        """Grade one completion against ``answer``; see the module docstring."""
+        extracted = extract_answer(completion)
+        if extracted is None:
+            return Grade(0.0, None)
+        return Grade(1.0 if answers_match(extracted, str(answer)) else 0.0, extracted)
+
+
+class ExactGrader(_GraderConfig):
+    """Whole-completion string match after stripping whitespace (optionally case-folded)."""
+
+    type: Literal["exact"] = "exact"
+    ignore_case: bool = False
+
+    def grade(self, completion: str, answer: str) -> Grade:
+        """``grade(" Paris\\n", "Paris")`` -> ``Grade(1.0, "Paris")``; empty text -> no answer."""
+        got, want = completion.strip(), str(answer).strip()
+        if not got:
+            return Grade(0.0, None)
+        if self.ignore_case:
+            return Grade(float(got.casefold() == want.casefold()), got)
+        return Grade(float(got == want), got)
+
+
+GraderConfig = Annotated[Union[MathGrader, ExactGrader], Field(discriminator="type")]

@@ -1,0 +1,98 @@
+"""Task configs: select a task by its YAML ``type:``, with no registry.
+
+Each config carries a ``type: Literal[...]`` tag and ``load() -> Task``; adding a
+task is one class here plus one member of :data:`TaskConfig`, a pydantic
+discriminated union (an unknown ``type`` or key fails at load, naming the choices).
+
+    task: {type: arithmetic, seed: 0, num_problems: 1000, split: train}
+    task: {type: gsm8k, path: /data/gsm8k/train.jsonl}
+    task: {type: jsonl, path: prompts.jsonl, split: train}
+    task: {type: parquet, path: prompts.parquet}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from molt.tasks.arithmetic import ArithmeticProblems
+from molt.tasks.gsm8k import DEFAULT_INSTRUCTION, read_gsm8k
+from molt.tasks.records import RecordSet, Task, generic_record, read_jsonl, read_parquet
+
+
+class _TaskConfig(BaseModel):
+    """Unknown keys fail at load; configs are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ArithmeticTask(_TaskConfig):
+    """Generated arithmetic problems (:mod:`molt.tasks.arithmetic`)."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    seed: int = 0
+    num_problems: int | None = Field(1000, ge=1, description="problems per epoch; null = an endless stream")
+    split: Literal["train", "eval"] = "train"
+    min_operand: int = Field(10, ge=0, description="smallest operand (inclusive)")
+    max_operand: int = Field(99, ge=0, description="largest operand (inclusive)")
+    operations: tuple[Literal["+", "-", "*"], ...] = Field(("+",), min_length=1)
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems held out for eval")
+    style: Literal["word", "plain"] = "word"
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ArithmeticTask:
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand must be <= max_operand; got {self.min_operand} > "
+                             f"{self.max_operand}; hint: swap them")
+        return self
+
+    def load(self) -> Task:
+        return ArithmeticProblems(
+            seed=self.seed, num_records=self.num_problems, split=self.split,
+            min_operand=self.min_operand, max_operand=self.max_operand,
+            operations=self.operations, eval_fraction=self.eval_fraction, style=self.style)
+
+
+class GSM8KTask(_TaskConfig):
+    """A GSM8K-format JSONL file (``question``, ``answer`` ending in ``#### N``)."""
+
+    type: Literal["gsm8k"] = "gsm8k"
+    path: Path
+    split: str | None = Field(None, description="default: the file's stem (train, test)")
+    instruction: str = DEFAULT_INSTRUCTION
+    skip_malformed: bool = Field(False, description="count and log bad lines instead of failing")
+
+    def load(self) -> Task:
+        return read_gsm8k(self.path, split=self.split, instruction=self.instruction,
+                          skip_malformed=self.skip_malformed)
+
+
+class JSONLTask(_TaskConfig):
+    """JSON lines whose rows already have ``messages`` (or ``prompt``) and ``answer``."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: Path
+    split: str = "train"
+    skip_malformed: bool = Field(False, description="count and log bad lines instead of failing")
+
+    def load(self) -> RecordSet:
+        stem, split = self.path.stem, self.split
+        return read_jsonl(self.path, lambda obj, i: generic_record(obj, i, stem=stem, split=split),
+                          skip_malformed=self.skip_malformed)
+
+
+class ParquetTask(_TaskConfig):
+    """A Parquet file whose rows have ``messages`` (or ``prompt``) and ``answer``."""
+
+    type: Literal["parquet"] = "parquet"
+    path: Path
+    split: str = "train"
+    skip_malformed: bool = Field(False, description="count and log bad rows instead of failing")
+
+    def load(self) -> RecordSet:
+        return read_parquet(self.path, split=self.split, skip_malformed=self.skip_malformed)
+
+
+TaskConfig = Annotated[Union[ArithmeticTask, GSM8KTask, JSONLTask, ParquetTask], Field(discriminator="type")]

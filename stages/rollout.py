@@ -1,0 +1,196 @@
+"""Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
+
+Prompts (``prompt_id`` + ``metadata`` JSON with ``messages``, ``answer``, ...) come
+in on ``in``; each becomes a group of ``group_size`` episodes of the configured env
+(:class:`molt.agents.SingleTurn` by default) run concurrently on one engine (vLLM
+by default; the transformers engine is the test double). Token ids, logprobs and
+policy versions go from the engine to the record untouched. The decoded text of the
+last turn goes to ``metadata.completion_text`` for graders only.
+
+Admission control (DESIGN §4): group ``i`` (counted from 0) is trained in step
+``i // groups_per_step`` or earlier, and its tokens carry versions >= the engine's
+version when it starts, so it starts only when
+``engine_version >= i // groups_per_step - max_staleness``. Example: 2 groups per
+step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version 1.
+
+Refit: with ``weights_input: true`` the stage listens on ``weights`` for
+weight-version records, loads each into the engine (in-flight sequences continue;
+their later tokens carry the new version) and verifies the engine's per-tensor
+digests against the record's; a mismatch stops the run naming the tensors.
+
+Failures: an env that raises, or a prompt that does not fit the context window, is
+a failed rollout: counted (``rollouts_failed``) and logged, never emitted; the
+group keeps ``group_size`` = rollouts started. Engine errors stop the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pyarrow as pa
+from pydantic import Field
+
+from molt.agents import AgentError, ChatTemplate, Env, Episode, SingleTurn, episode_rows, run_episode
+from molt.engines.base import SamplingParams
+from molt.engines.config import EngineConfig, make_engine
+from molt.engines.weights import verify_refit
+from molt.pipeline import import_class
+from molt.schema import batch_from_rows, make_schema, resolve_fields
+from molt.stage import Port, Service, StageConfig
+from molt.transport import Barrier
+
+WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
+          "rollout_logprobs", "policy_version", "group_size", "finish_reason", "metadata")
+
+
+class Rollout(Service):
+    """Prompts in, whole groups of token-exact trajectory rows out."""
+
+    class Config(StageConfig):
+        model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
+        engine: EngineConfig = Field(default_factory=EngineConfig)
+        group_size: int = Field(4, ge=1, description="rollouts per prompt (n)")
+        temperature: float = Field(1.0, ge=0)
+        max_new_tokens: int = Field(256, ge=1, description="per policy turn")
+        seed: int | None = Field(None, description="per-request seeds (transformers engine only)")
+        env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
+        max_turns: int = Field(1, ge=1)
+        max_concurrent_groups: int = Field(8, ge=1)
+        max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
+        groups_per_step: int = Field(8, ge=1, description="groups the trainer takes per step")
+        weights_input: bool = Field(False, description="listen for new weights on 'weights'")
+
+    config: Config
+
+    @classmethod
+    def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
+        assert isinstance(config, cls.Config)
+        inputs = {"in": Port(reads=("prompt_id", "metadata"))}
+        if config.weights_input:
+            inputs["weights"] = Port()
+        writes = WRITES + (("score",) if config.env else ())
+        return inputs, {"out": Port(writes=writes)}
+
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from molt.models import resolve_model
+
+        c = self.config
+        self.env_cls: type[Env] = import_class(c.env, f"stages.{self.ctx.stage_id}.config.env") if c.env else SingleTurn
+        self.model_dir = resolve_model(c.model)
+        self.chat = ChatTemplate(AutoTokenizer.from_pretrained(self.model_dir))
+        self.engine = make_engine(c.engine, str(self.model_dir))
+        self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
+        _, outputs = self.ports(c)
+        self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
+        self.num_groups = 0  # groups admitted so far
+        self.first_admit_s: float | None = None
+
+    async def run(self) -> None:
+        prompts: list[tuple[str, dict[str, Any]]] = []
+        pending: set[asyncio.Task[pa.RecordBatch | None]] = set()
+        exhausted = False
+        while not exhausted or pending:
+            await self._refit_if_new_weights()
+            # 1) admit new groups while there is room and staleness allows
+            while not exhausted and len(pending) < self.config.max_concurrent_groups and self._admissible():
+                if not prompts:
+                    item = await self._recv_prompts()
+                    if item is None:
+                        exhausted = True
+                        break
+                    if isinstance(item, Barrier):  # drain what started before it, then forward it
+                        await self._send_done(await asyncio.gather(*pending))
+                        pending.clear()
+                        await self.barrier(item.step)
+                        continue
+                    prompts += item
+                    if not item:
+                        break
+                prompt_id, task = prompts.pop(0)
+                self.first_admit_s = self.first_admit_s or time.monotonic()
+                pending.add(asyncio.create_task(self._group(prompt_id, task, self.num_groups),
+                                                name=f"group_{self.num_groups}"))
+                self.num_groups += 1
+            # 2) wait for finished groups  3) send them whole
+            if not pending:
+                await asyncio.sleep(0.05)  # admission is waiting for new weights
+                continue
+            done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            await self._send_done([t.result() for t in done])
+        self._log_throughput()
+
+    def _log_throughput(self) -> None:
+        if self.first_admit_s is not None:
+            seconds = time.monotonic() - self.first_admit_s
+            tokens = self.metrics.counters.get("tokens_generated", 0.0)
+            self.metrics.log({"generate_seconds": seconds, "generated_tokens_per_s": tokens / max(seconds, 1e-9)})
+
+    def _admissible(self) -> bool:
+        c = self.config
+        return c.max_staleness is None or (
+            self.engine.policy_version >= self.num_groups // c.groups_per_step - c.max_staleness)
+
+    async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
+        """Next prompts ([] if none within 0.2 s), a barrier, or None at end of stream."""
+        try:
+            item = await self.recv("in", timeout_s=0.2)
+        except TimeoutError:
+            return []
+        if item is None or isinstance(item, Barrier):
+            return item
+        return list(zip(item.column("prompt_id").to_pylist(),
+                        (json.loads(m) if m else {} for m in item.column("metadata").to_pylist())))
+
+    async def _send_done(self, batches: list[pa.RecordBatch | None]) -> None:
+        for batch in batches:
+            if batch is not None:
+                await self.send("out", batch)
+
+    async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> pa.RecordBatch | None:
+        """Run ``group_size`` episodes of one prompt; rows of the successful ones."""
+        n, start = self.config.group_size, time.monotonic()
+        ids = [f"{prompt_id}#{index}/{k}" for k in range(n)]
+        results = await asyncio.gather(*(self._episode(task, rid) for rid in ids), return_exceptions=True)
+        rows = []
+        for rid, ep in zip(ids, results):
+            if isinstance(ep, (AgentError, ValueError)):
+                self.log.warning("rollout %s failed: %s", rid, ep)
+                self.metrics.count("rollouts_failed")
+            elif isinstance(ep, BaseException):
+                raise ep
+            else:
+                rows += episode_rows(ep, prompt_id, rid, task, self.config.group_size, bool(self.config.env))
+        generated = sum(sum(r["loss_mask"]) for r in rows)
+        self.metrics.count("tokens_generated", generated)
+        self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
+        return batch_from_rows(rows, self.schema) if rows else None
+
+    async def _episode(self, task: dict[str, Any], request_id: str) -> Episode:
+        return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
+                                 self.config.max_turns, self.config.engine.max_model_len)
+
+    async def _refit_if_new_weights(self) -> None:
+        if "weights" not in self.ctx.inputs:
+            return
+        port = self.ctx.inputs["weights"]
+        await port.drain_nowait()  # type: ignore[attr-defined]
+        record = port.latest()  # type: ignore[attr-defined]
+        if record is None:
+            return
+        row = record.to_pylist()[-1]
+        if row["policy_version"] <= self.engine.policy_version:
+            return
+        start = time.monotonic()
+        await self.engine.load_weights(row["uri"].removeprefix("file://"), row["policy_version"])
+        verify_refit(row["policy_version"], dict(zip(row["tensor_names"], row["tensor_digests"])),
+                     getattr(self.engine, "last_weight_digests", {}))
+        self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": row["policy_version"]})
+
+    def close(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()

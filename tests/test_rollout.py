@@ -1,0 +1,143 @@
+"""Rollout: token-exact multi-turn trajectories, versions, admission control, failures.
+
+Uses the transformers engine (the test double) on a tiny random Llama that carries
+SmolLM2's real tokenizer and chat template; the vLLM engine is covered in
+tests/test_engines.py and tests/test_rollout_vllm.py.
+"""
+
+import asyncio
+import json
+
+import pytest
+
+from molt.agents import ChatTemplate, run_episode
+from molt.engines.base import SamplingParams
+from molt.engines.hf import TransformersEngine
+from molt.recording import read_batches
+from tests.conftest import SINK, run_spec
+from tests.doubles.stages import EndlessEnv, ScriptedEnv
+
+
+class Recording(TransformersEngine):
+    """The transformers engine, remembering every completion it returned."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.completions = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        out = await super().generate(request_id, prompt_token_ids, params)
+        self.completions.append(out)
+        return out
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    return ChatTemplate(AutoTokenizer.from_pretrained(tiny_chat_model))
+
+
+def test_a_multi_turn_trajectory_is_exactly_engine_tokens_plus_template_deltas(tiny_chat_model, chat):
+    engine = Recording(str(tiny_chat_model))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    ep = asyncio.run(run_episode(engine, chat, ScriptedEnv(), {"question": "What is 2+2?"}, params, "r0",
+                                 max_turns=5, max_total_tokens=400))
+    [seg] = ep.segments
+    c1, c2, c3 = engine.completions
+    prompt = chat.prompt_ids([{"role": "user", "content": "What is 2+2?"}])
+    d1 = chat.turn_delta_ids([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                             [{"role": "user", "content": "try again (1)"}], c1.finish_reason == "stop")
+    d2 = chat.turn_delta_ids([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                             [{"role": "user", "content": "try again (2)"}], c2.finish_reason == "stop")
+    assert seg.token_ids == prompt + c1.token_ids + d1 + c2.token_ids + d2 + c3.token_ids
+    gen = [True] * len(c1.token_ids), [True] * len(c2.token_ids), [True] * len(c3.token_ids)
+    assert seg.loss_mask == [False] * len(prompt) + gen[0] + [False] * len(d1) + gen[1] + [False] * len(d2) + gen[2]
+    assert seg.rollout_logprobs == ([0.0] * len(prompt) + c1.logprobs + [0.0] * len(d1) + c2.logprobs
+                                    + [0.0] * len(d2) + c3.logprobs)
+    assert [v for v, m in zip(seg.policy_version, seg.loss_mask) if m] == [0] * sum(seg.loss_mask)
+    assert all(v == -1 for v, m in zip(seg.policy_version, seg.loss_mask) if not m)
+    assert ep.score == 1.0 and ep.num_turns == 3 and ep.info == {"turns": 3}
+    # The SmolLM2 template as shipped (its BOS is <|im_start|>): rendered once, no BOS added twice.
+    text = chat.tok.decode(prompt)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert prompt[0] == chat.tok.bos_token_id != prompt[1]
+    closing = "<|im_end|>\n" if c1.finish_reason == "length" else "\n"
+    assert chat.tok.decode(d1) == f"{closing}<|im_start|>user\ntry again (1)<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_an_env_that_never_ends_is_cut_by_the_turn_budget(tiny_chat_model, chat):
+    engine = TransformersEngine(str(tiny_chat_model))
+    ep = asyncio.run(run_episode(engine, chat, EndlessEnv(), {"question": "hi"}, SamplingParams(max_new_tokens=3),
+                                 "r1", max_turns=4, max_total_tokens=400))
+    assert ep.num_turns == 4 and ep.score is None
+
+
+def test_a_prompt_longer_than_the_context_window_is_refused(tiny_chat_model, chat):
+    engine = TransformersEngine(str(tiny_chat_model))
+    with pytest.raises(ValueError, match=r"prompt has \d+ tokens; the context window \(max_total_tokens\) is 16"):
+        asyncio.run(run_episode(engine, chat, ScriptedEnv(), {"question": "word " * 50}, SamplingParams(),
+                                "r2", max_turns=1, max_total_tokens=16))
+
+
+def rollout_pipeline(model, **rollout):
+    return {"name": "ro", "stages": {
+        "source": {"class": "stages.dataset_source.DatasetSource",
+                   "config": {"task": {"type": "arithmetic", "num_problems": 6}, "prompts_per_batch": 2}},
+        "rollout": {"class": "stages.rollout.Rollout",
+                    "config": {"model": str(model), "engine": {"type": "transformers"}, "group_size": 3,
+                               "max_new_tokens": 6, "seed": 1, **rollout}},
+        "sink": {"class": SINK}},
+        "edges": [{"from": "source", "to": "rollout"}, {"from": "rollout", "to": "sink", "record": True}]}
+
+
+def test_rollout_only_pipeline_emits_whole_graded_groups(tiny_chat_model, tmp_path, no_orphans):
+    spec = rollout_pipeline(tiny_chat_model)
+    spec["stages"]["reward"] = {"class": "stages.reward.Reward"}
+    spec["edges"] = [{"from": "source", "to": "rollout"}, {"from": "rollout", "to": "reward"},
+                     {"from": "reward", "to": "sink", "record": True}]
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    batches = list(read_batches(tmp_path / "run" / "record" / "reward.out--sink.in"))
+    assert len(batches) == 6, "one batch per prompt group"
+    for b in batches:
+        rows = b.to_pylist()
+        assert len(rows) == 3 and len({r["prompt_id"] for r in rows}) == 1 and rows[0]["group_size"] == 3
+        for r in rows:
+            meta = json.loads(r["metadata"])
+            assert meta["answer"] and "completion_text" in meta and r["score"] in (0.0, 1.0)
+            assert sum(r["loss_mask"]) >= 1 and len(r["token_ids"]) == len(r["policy_version"])
+    assert summary["metrics"]["rollout/tokens_generated"] == sum(
+        sum(r["loss_mask"]) for b in batches for r in b.to_pylist())
+
+
+def test_a_failing_env_is_counted_and_no_other_rollout_is_lost(tiny_chat_model, tmp_path, no_orphans):
+    spec = rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.FailingEnv", max_turns=3)
+    spec["stages"]["source"]["config"]["task"] = {"type": "jsonl", "path": str(tmp_path / "q.jsonl")}
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "question": f"q{i}", "answer": "1",
+                                                          "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                                              for i in range(4)))
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    rows = [r for b in read_batches(tmp_path / "run" / "record" / "rollout.out--sink.in") for r in b.to_pylist()]
+    failed = summary["metrics"]["rollout/rollouts_failed"]
+    assert failed >= 1 and len(rows) + failed == 12
+    assert all(r["score"] == 1.0 and r["group_size"] == 3 for r in rows)
+
+
+def test_admission_control_keeps_every_token_within_max_staleness_of_a_slow_trainer(
+        tiny_chat_model, tmp_path, no_orphans):
+    spec = rollout_pipeline(tiny_chat_model, weights_input=True, max_staleness=0, groups_per_step=2,
+                            max_concurrent_groups=4)
+    spec["stages"]["trainer"] = {"class": "tests.doubles.stages.SlowTrainer", "config": {
+        "groups_per_step": 2, "max_staleness": 0, "weights_path": str(tiny_chat_model / "model.safetensors")}}
+    spec["edges"] = [{"from": "source", "to": "rollout.in"}, {"from": "rollout", "to": "trainer"},
+                     {"from": "trainer.out", "to": "sink", "record": True},
+                     {"from": "trainer.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    batches = list(read_batches(tmp_path / "run" / "record" / "trainer.out--sink.in"))
+    versions = [sorted({v for row in b.column("policy_version").to_pylist() for v in row if v >= 0})
+                for b in batches]
+    assert versions == [[0], [0], [1], [1], [2], [2]], "on-policy: step k trains only version-k tokens"
+    assert summary["metrics"]["rollout/refit_seconds"] >= 0
