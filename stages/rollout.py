@@ -1,11 +1,11 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
 Prompts (``prompt_id`` + ``metadata`` JSON with ``messages``, ``answer``, ...) come
-in on ``in``; each becomes a group of ``group_size`` episodes of the configured env
-(:class:`molt.agents.SingleTurn` by default) run concurrently on one engine (vLLM
-by default; the transformers engine is the test double). Token ids, logprobs and
-policy versions go from the engine to the record untouched. The decoded text of the
-last turn goes to ``metadata.completion_text`` for graders only.
+in on ``in``; each becomes ``group_size`` concurrent episodes of the configured
+``env`` (default :class:`molt.agents.SingleTurn`) or ``agent`` (a ChatAgent using
+the OpenAI SDK, :mod:`molt.agents.openai_server`) on one engine (vLLM by default).
+Token ids, logprobs and versions go from the engine to the record untouched; the
+last turn's decoded text goes to ``metadata.completion_text`` for graders only.
 
 Admission control (DESIGN §4): group ``i`` (counted from 0) is trained in step
 ``i // groups_per_step`` or earlier, and its tokens carry versions >= the engine's
@@ -13,14 +13,13 @@ version when it starts, so it starts only when
 ``engine_version >= i // groups_per_step - max_staleness``. Example: 2 groups per
 step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version 1.
 
-Refit: with ``weights_input: true`` the stage listens on ``weights`` for
-weight-version records, loads each into the engine (in-flight sequences continue;
-their later tokens carry the new version) and verifies the engine's per-tensor
-digests against the record's; a mismatch stops the run naming the tensors.
+Refit: with ``weights_input: true``, each weight-version record on ``weights`` is
+loaded into the engine (in-flight sequences continue on the new version) and every
+tensor's digest is verified; a mismatch stops the run naming the tensors.
 
-Failures: an env that raises, or a prompt that does not fit the context window, is
-a failed rollout: counted (``rollouts_failed``) and logged, never emitted; the
-group keeps ``group_size`` = rollouts started. Engine errors stop the stage.
+Failures: an env or agent that raises, or a prompt over the context window, fails
+its rollout: counted (``rollouts_failed``), logged, not emitted; ``group_size``
+stays the number started. Engine errors stop the stage.
 """
 
 from __future__ import annotations
@@ -33,10 +32,10 @@ from typing import Any
 import pyarrow as pa
 from pydantic import Field
 
-from molt.agents import AgentError, ChatTemplate, Env, Episode, SingleTurn, episode_rows, run_episode
+from molt.agents import AgentError, ChatServer, ChatTemplate, Env, Episode, SingleTurn, episode_rows, run_episode
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
-from molt.engines.weights import verify_refit
+from molt.engines.weights import apply_weight_record
 from molt.pipeline import import_class
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
@@ -57,6 +56,7 @@ class Rollout(Service):
         max_new_tokens: int = Field(256, ge=1, description="per policy turn")
         seed: int | None = Field(None, description="per-request seeds (transformers engine only)")
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
+        agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
         max_turns: int = Field(1, ge=1)
         max_concurrent_groups: int = Field(8, ge=1)
         max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
@@ -71,7 +71,9 @@ class Rollout(Service):
         inputs = {"in": Port(reads=("prompt_id", "metadata"))}
         if config.weights_input:
             inputs["weights"] = Port()
-        writes = WRITES + (("score",) if config.env else ())
+        if config.env and config.agent:
+            raise ValueError("stages.rollout.config: set env or agent, not both; got both")
+        writes = WRITES + (("score",) if config.env or config.agent else ())
         return inputs, {"out": Port(writes=writes)}
 
     def setup(self) -> None:
@@ -80,17 +82,23 @@ class Rollout(Service):
         from molt.models import resolve_model
 
         c = self.config
-        self.env_cls: type[Env] = import_class(c.env, f"stages.{self.ctx.stage_id}.config.env") if c.env else SingleTurn
+        where = f"stages.{self.ctx.stage_id}.config"
+        self.env_cls: type[Env] = import_class(c.env, f"{where}.env") if c.env else SingleTurn
+        self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate(AutoTokenizer.from_pretrained(self.model_dir))
         self.engine = make_engine(c.engine, str(self.model_dir))
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
+        self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
+                                 c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         _, outputs = self.ports(c)
         self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
         self.num_groups = 0  # groups admitted so far
         self.first_admit_s: float | None = None
 
     async def run(self) -> None:
+        if self.server is not None:
+            await self.server.start()
         prompts: list[tuple[str, dict[str, Any]]] = []
         pending: set[asyncio.Task[pa.RecordBatch | None]] = set()
         exhausted = False
@@ -164,13 +172,15 @@ class Rollout(Service):
             elif isinstance(ep, BaseException):
                 raise ep
             else:
-                rows += episode_rows(ep, prompt_id, rid, task, self.config.group_size, bool(self.config.env))
+                rows += episode_rows(ep, prompt_id, rid, task, self.config.group_size, "score" in self.schema.names)
         generated = sum(sum(r["loss_mask"]) for r in rows)
         self.metrics.count("tokens_generated", generated)
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
         return batch_from_rows(rows, self.schema) if rows else None
 
     async def _episode(self, task: dict[str, Any], request_id: str) -> Episode:
+        if self.server is not None:
+            return await self.server.run_episode(self.agent_cls(), task, request_id)  # type: ignore[misc]
         return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
                                  self.config.max_turns, self.config.engine.max_model_len)
 
@@ -179,18 +189,12 @@ class Rollout(Service):
             return
         port = self.ctx.inputs["weights"]
         await port.drain_nowait()  # type: ignore[attr-defined]
-        record = port.latest()  # type: ignore[attr-defined]
-        if record is None:
-            return
-        row = record.to_pylist()[-1]
-        if row["policy_version"] <= self.engine.policy_version:
-            return
-        start = time.monotonic()
-        await self.engine.load_weights(row["uri"].removeprefix("file://"), row["policy_version"])
-        verify_refit(row["policy_version"], dict(zip(row["tensor_names"], row["tensor_digests"])),
-                     getattr(self.engine, "last_weight_digests", {}))
-        self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": row["policy_version"]})
+        record, start = port.latest(), time.monotonic()  # type: ignore[attr-defined]
+        if record is not None and await apply_weight_record(self.engine, record.to_pylist()[-1]):
+            self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.executor.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "engine", None) is not None:
             self.engine.close()

@@ -21,7 +21,7 @@ from typing import Any
 
 from molt.agents.base import AgentError, Env, Message
 from molt.agents.chat import ChatTemplate
-from molt.engines.base import Engine, SamplingParams
+from molt.engines.base import Completion, Engine, SamplingParams
 
 
 @dataclasses.dataclass
@@ -39,6 +39,13 @@ class Segment:
         self.loss_mask += [False] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
         self.policy_version += [-1] * len(ids)
+
+    def extend_generated(self, out: Completion) -> None:
+        """Append the engine's tokens, logprobs and versions untouched (trained on)."""
+        self.token_ids += out.token_ids
+        self.loss_mask += [True] * len(out.token_ids)
+        self.rollout_logprobs += out.logprobs
+        self.policy_version += out.policy_versions
 
 
 @dataclasses.dataclass
@@ -77,10 +84,7 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
             break
         out = await engine.generate(f"{request_id}/t{turns}", seg.token_ids,
                                     dataclasses.replace(params, max_new_tokens=budget))
-        seg.token_ids += out.token_ids
-        seg.loss_mask += [True] * len(out.token_ids)
-        seg.rollout_logprobs += out.logprobs
-        seg.policy_version += out.policy_versions
+        seg.extend_generated(out)
         text = chat.decode(out.token_ids)
         messages.append({"role": "assistant", "content": text})
         result = _call_env(env.step, text, request_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -91,3 +92,17 @@ def verify_refit(version: int, sent: dict[str, str], loaded: dict[str, str]) -> 
     if bad:
         raise RuntimeError(f"refit to version {version} is not verified: {len(bad)} tensor(s) differ "
                            f"or were not loaded, e.g. {bad[:5]}")
+
+
+async def apply_weight_record(engine: Any, record: dict[str, Any]) -> bool:
+    """Load the weights a weight-version record (molt.schema.WEIGHT_VERSION_SCHEMA row)
+    points to into ``engine`` if they are newer, and verify every tensor's digest.
+
+    Returns True when a refit happened. Raises RuntimeError on a digest mismatch.
+    """
+    if record["policy_version"] <= engine.policy_version:
+        return False
+    await engine.load_weights(record["uri"].removeprefix("file://"), record["policy_version"])
+    verify_refit(record["policy_version"], dict(zip(record["tensor_names"], record["tensor_digests"])),
+                 getattr(engine, "last_weight_digests", {}))
+    return True

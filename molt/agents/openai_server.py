@@ -1,0 +1,169 @@
+"""ChatAgent: user code drives a rollout with the stock OpenAI SDK; tokens stay exact.
+
+During a rollout the stage serves an OpenAI-compatible ``/v1/chat/completions`` on
+loopback, one base URL per rollout (``http://127.0.0.1:PORT/r/KEY/v1``).
+The agent's ``run(client, task)`` calls ``client.chat.completions.create(...)`` as
+it would against any server. For each request the server:
+
+1) compares the request's messages with the conversation so far (which ends with
+   the assistant text it returned last); if they extend it, only the new messages
+   are rendered, as a chat-template delta (:meth:`ChatTemplate.turn_delta_ids`);
+   if they rewrite it (compaction, a template that drops earlier reasoning), a new
+   token-exact *segment* starts from a fresh render; segments share one reward;
+2) generates from the exact token ids with the engine and appends the engine's
+   token ids, logprobs and versions untouched;
+3) answers with the decoded text.
+
+Sampling is the rollout stage's (temperature, max_new_tokens); a request asking for
+another temperature or ``n > 1`` gets HTTP 400, so nothing the agent sees is sampled
+differently from what is recorded. ``max_turns`` requests per rollout, then HTTP 400.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from molt.agents.base import AgentError, Message
+from molt.agents.chat import ChatTemplate
+from molt.agents.episode import Episode, Segment
+from molt.engines.base import Engine, SamplingParams
+
+
+class ChatAgent(abc.ABC):
+    """An agent written against the OpenAI SDK. A new instance runs each rollout
+    in a worker thread (so plain blocking ``openai.OpenAI`` code works)."""
+
+    @abc.abstractmethod
+    def run(self, client: Any, task: dict[str, Any]) -> float | None:
+        """Drive one rollout of ``task`` with ``client`` (an ``openai.OpenAI``);
+        return its reward, or None to let a reward stage grade the last reply."""
+
+
+@dataclasses.dataclass
+class ChatSession:
+    """The token record of one rollout served over HTTP."""
+
+    rollout_id: str
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    finish_reason: str = "length"
+    turns: int = 0
+    last_text: str = ""
+
+
+class ChatServer:
+    """The loopback OpenAI-compatible endpoint of a rollout stage."""
+
+    def __init__(self, engine: Engine, chat: ChatTemplate, params: SamplingParams, max_turns: int,
+                 max_total_tokens: int, max_agents: int = 64) -> None:
+        self.engine, self.chat, self.params = engine, chat, params
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.sessions: dict[str, ChatSession] = {}
+        self.executor = ThreadPoolExecutor(max_workers=max_agents, thread_name_prefix="chat_agent")
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1") -> None:
+        app = web.Application()
+        app.router.add_post("/r/{rid}/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run_episode(self, agent: ChatAgent, task: dict[str, Any], rollout_id: str) -> Episode:
+        """Run ``agent`` on ``task`` as rollout ``rollout_id``.
+
+        Raises:
+            AgentError: the agent raised (an HTTP 400 it received included).
+        """
+        import openai
+
+        key = uuid.uuid4().hex  # rollout ids hold '#' and '/', which do not belong in a URL path
+        self.sessions[key] = ChatSession(rollout_id)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/r/{key}/v1", api_key="molt", max_retries=0)
+        try:
+            reward = await asyncio.get_running_loop().run_in_executor(self.executor, agent.run, client, task)
+        except Exception as e:  # noqa: BLE001 - the agent's failure is this rollout's
+            raise AgentError(f"rollout {rollout_id}: {type(e).__name__} in {type(agent).__name__}.run: {e}") from e
+        finally:
+            session = self.sessions.pop(key)
+            client.close()
+        if not session.segments:
+            raise AgentError(f"rollout {rollout_id}: the agent made no chat completion request")
+        return Episode(session.segments, reward, session.finish_reason, session.turns, session.last_text, {})
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        session = self.sessions.get(request.match_info["rid"])
+        if session is None:
+            return _error(404, f"no rollout {request.match_info['rid']!r} is running")
+        body = await request.json()
+        problem = self._check(session, body)
+        if problem:
+            return _error(400, problem)
+        messages = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
+        text = await self._turn(session, messages, body.get("max_tokens") or body.get("max_completion_tokens"))
+        return web.json_response({
+            "id": f"molt-{session.rollout_id}-{session.turns}", "object": "chat.completion", "created": 0,
+            "model": body.get("model", "molt"), "usage": None,
+            "choices": [{"index": 0, "finish_reason": session.finish_reason, "logprobs": None,
+                         "message": {"role": "assistant", "content": text}}]})
+
+    def _check(self, session: ChatSession, body: dict[str, Any]) -> str:
+        if session.turns >= self.max_turns:
+            return f"turn budget exhausted: max_turns is {self.max_turns}"
+        if body.get("n", 1) != 1:
+            return f"n must be 1; got {body['n']}; hint: the rollout stage samples group_size rollouts itself"
+        t = body.get("temperature")
+        if t is not None and t != self.params.temperature:
+            return (f"temperature {t} differs from the rollout's {self.params.temperature}; hint: leave it "
+                    "unset, or set it in the rollout stage's config")
+        if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
+            return "messages must have string contents"
+        return "" if body.get("messages") else "messages is empty"
+
+    async def _turn(self, session: ChatSession, messages: list[Message], max_tokens: int | None) -> str:
+        # 1) extend the current segment by a template delta, or start a new segment
+        known = session.messages
+        if session.segments and messages[:len(known)] == known and len(messages) > len(known):
+            try:
+                delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop")
+                session.segments[-1].extend_context(delta)
+            except ValueError:
+                session.segments.append(Segment())
+                session.segments[-1].extend_context(self.chat.prompt_ids(messages))
+        else:
+            session.segments.append(Segment())
+            session.segments[-1].extend_context(self.chat.prompt_ids(messages))
+        seg = session.segments[-1]
+        # 2) generate from the exact ids, within the turn's and the context's budget
+        budget = min(self.params.max_new_tokens, max_tokens or self.params.max_new_tokens,
+                     self.max_total_tokens - len(seg.token_ids))
+        if budget <= 0:
+            raise web.HTTPBadRequest(text=f"context window of {self.max_total_tokens} tokens is full")
+        session.turns += 1
+        out = await self.engine.generate(f"{session.rollout_id}/t{session.turns}", seg.token_ids, dataclasses.replace(self.params, max_new_tokens=budget))
+        seg.extend_generated(out)
+        # 3) answer with the decoded text; remember the conversation it ends
+        session.last_text, session.finish_reason = self.chat.decode(out.token_ids), out.finish_reason
+        session.messages = [*messages, {"role": "assistant", "content": session.last_text}]
+        return session.last_text
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)

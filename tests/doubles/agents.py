@@ -1,0 +1,35 @@
+"""ChatAgent test doubles: plain OpenAI SDK code, as a user would write it."""
+
+from __future__ import annotations
+
+from molt.agents import ChatAgent
+
+
+class ThreeTurnAgent(ChatAgent):
+    """Asks, then says 'again' twice, keeping the whole conversation; reward 1."""
+
+    def run(self, client, task):
+        messages = [{"role": "user", "content": task.get("question", "What is 2+2?")}]
+        for i in range(3):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"again {i}"}]
+        return 1.0
+
+
+class CompactingAgent(ChatAgent):
+    """Second request rewrites the history into a summary: a new segment."""
+
+    def run(self, client, task):
+        first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        summary = f"Earlier you said: {first.choices[0].message.content[:20]}"
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": summary}])
+        return 0.5
+
+
+class HotAgent(ChatAgent):
+    """Asks for another temperature than the rollout samples with."""
+
+    def run(self, client, task):
+        client.chat.completions.create(model="policy", temperature=0.3, messages=[{"role": "user", "content": "x"}])
+        return 1.0
