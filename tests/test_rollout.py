@@ -141,3 +141,11 @@ def test_admission_control_keeps_every_token_within_max_staleness_of_a_slow_trai
                 for b in batches]
     assert versions == [[0], [0], [1], [1], [2], [2]], "on-policy: step k trains only version-k tokens"
     assert summary["metrics"]["rollout/refit_seconds"] >= 0
+
+
+def test_an_empty_prompt_fails_its_rollout_with_a_clear_error(tiny_chat_model, chat):
+    from molt.agents import AgentError, SingleTurn
+
+    engine = TransformersEngine(str(tiny_chat_model))
+    with pytest.raises(AgentError, match=r"task has neither 'messages' nor 'prompt'"):
+        asyncio.run(run_episode(engine, chat, SingleTurn(), {"messages": []}, SamplingParams(), "r3"))
