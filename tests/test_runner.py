@@ -145,3 +145,14 @@ def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, n
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_3" / "tap.0.json").read_text())
     assert state == {"rows": 24}
     assert json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "tap.0.json").read_text()) == {"rows": 8}
+
+
+def test_tcp_edges_bind_to_loopback(tmp_path, no_orphans):
+    spec = chain(("shape", "stages.shape_reward.ShapeReward", {"replicas": 2}), record_last=True, num_groups=6)
+    spec["transport"] = "tcp"
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    wiring = json.loads((tmp_path / "run" / "wiring.json").read_text())
+    endpoints = [ep for w in wiring.values() for ep in w["endpoints"]]
+    assert endpoints and all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints)
+    assert len(recorded_rows(tmp_path / "run", "shape.out--sink.in")) == 24

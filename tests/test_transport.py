@@ -253,3 +253,22 @@ def test_received_batches_share_the_message_memory(zctx, tmp_path):
     b = asyncio.run(main())
     assert b.column("x").to_pylist() == list(range(1000))
     assert b.column("x").buffers()[1].parent is not None or not b.column("x").buffers()[1].is_mutable
+
+
+def test_the_in_process_edge_is_the_same_code_over_inproc(zctx):
+    async def main():
+        s = EdgeSpec("a.out->b.in", "stream", ("inproc://edge-a-b",), ("b.0",), SCHEMA)
+        out = OutputPort(zctx, "out", [(s, 0)], "a.0")
+        inp = InputPort(zctx, "in", [s], "b.0")
+        await inp.start()
+        await out.wait_ready()
+        consumer = asyncio.create_task(_drain(inp))
+        for k in range(10):
+            await out.send(batch([f"g{k}"], [k]))
+        await out.send_end()
+        got = await consumer
+        out.close(), inp.close()
+        return got
+
+    got = asyncio.run(main())
+    assert [x for b in got for x in b.column("x").to_pylist()] == list(range(10))
