@@ -63,10 +63,17 @@ class _GroupEstimator(_Config):
     required_columns: ClassVar[tuple[str, ...]] = ("prompt_id", "rollout_id", "reward")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """Subclasses: rewards [R], group_ids [R] -> [R] (formula and paper there);
+        empty -> [0]."""
         raise NotImplementedError
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
-        """Advantages [N, T], 0 off-mask."""
+        """Advantages [N, T], 0 off-mask: A_it = estimate(...)[rollout(i)] * m_it.
+
+        Formula and paper: the class's `estimate` (advantages.py). Shapes: inputs of
+        N rows, loss_mask [N, T] -> [N, T]. Empty ([0, T], [N, 0]) -> zeros of the
+        mask's shape; an all-masked row -> zeros.
+        """
         rows = adv.row_advantages(
             self.estimate, inputs.prompt_ids, inputs.rollout_ids, inputs.rewards
         )
@@ -78,6 +85,9 @@ class GRPOConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the group std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """(r - mean_g) / (std_g + eps); GRPO, Shao et al. 2024, arXiv:2402.03300.
+        [R], [R] -> [R]; empty -> [0].
+        """
         return adv.grpo_advantages(rewards, group_ids, self.eps)
 
 
@@ -85,6 +95,7 @@ class DrGRPOConfig(_GroupEstimator):
     type: Literal["dr_grpo"] = "dr_grpo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """r - mean_g; Dr.GRPO, Liu et al. 2025, arXiv:2503.20783. [R], [R] -> [R]; empty -> [0]."""
         return adv.dr_grpo_advantages(rewards, group_ids)
 
 
@@ -92,6 +103,9 @@ class RLOOConfig(_GroupEstimator):
     type: Literal["rloo"] = "rloo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """r - mean of the others in g; RLOO, Ahmadian et al. 2024, arXiv:2402.14740.
+        [R], [R] -> [R]; empty -> [0].
+        """
         return adv.rloo_advantages(rewards, group_ids)
 
 
@@ -100,6 +114,9 @@ class ReinforcePPConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """(r - mean_B) / (std_B + eps); REINFORCE++, Hu 2025, arXiv:2501.03262.
+        [R], [R] -> [R]; empty -> [0].
+        """
         return adv.reinforce_pp_advantages(rewards, group_ids, self.eps)
 
 
@@ -108,6 +125,9 @@ class ReinforcePPBaselineConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """(r - mean_g) / (std_B + eps); REINFORCE++-baseline, Hu 2025, arXiv:2501.03262.
+        [R], [R] -> [R]; empty -> [0].
+        """
         return adv.reinforce_pp_baseline_advantages(rewards, group_ids, self.eps)
 
 
@@ -118,7 +138,13 @@ class GAEConfig(_Config):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
-        """GAE with the row's reward on its last loss token; one segment per rollout."""
+        """GAE with the row's reward on its last loss token; one segment per rollout.
+
+        A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t
+        (Schulman et al. 2016, arXiv:1506.02438). Shapes: rewards [N], values and
+        loss_mask [N, T] -> [N, T]. Empty ([0, T], [N, 0]) -> zeros of that shape;
+        an all-masked row -> zeros.
+        """
         index = index_rollouts(inputs.prompt_ids, inputs.rollout_ids, inputs.rewards)
         if index.rollout_group.numel() != len(inputs.prompt_ids):
             raise ValueError(
@@ -137,6 +163,11 @@ class DistillationConfig(_Config):
     beta: float = Field(1.0, gt=0, description="weight of the per-token reverse KL")
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
+        """On-policy distillation: A_t = -beta * (log pi(y_t) - log pi_teacher(y_t)).
+
+        Agarwal et al. 2024 (GKD, arXiv:2306.13649); Thinking Machines 2025 blog.
+        Shapes: logprobs and loss_mask [N, T] -> [N, T]. Empty or all-masked -> zeros.
+        """
         student = _need(inputs, "rollout_logprobs", "distillation")
         teacher = _need(inputs, "teacher_logprobs", "distillation")
         return distillation_advantages(student, teacher, inputs.loss_mask, self.beta)

@@ -40,8 +40,9 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Te
     Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), outcome supervision.
     std is Bessel-corrected, as in TRL and verl. Flat groups give exactly 0
     instead of (tiny / (tiny + eps)).
+    Shapes: rewards [R] float, group_ids [R] long in 0..G-1 -> [R].
     Example: -> [1.1547, -0.5773, -0.5773, 0., 0., 0.].
-    Empty input -> empty output.
+    Empty input ([0]) -> [0]; a flat group (or a group of one) -> exact 0 with zero gradient.
     """
     stats = group_stats(rewards, group_ids, _num_groups(group_ids))
     centred = rewards - stats.mean[group_ids]
@@ -54,7 +55,9 @@ def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783).
     The other half of Dr.GRPO, no length normalisation, is the aggregation mode
     `seq_mean_token_sum` (aggregation.py).
+    Shapes: rewards [R], group_ids [R] -> [R].
     Example: -> [0.6667, -0.3333, -0.3333, 0., 0., 0.].
+    Empty input ([0]) -> [0]; a flat group (or a group of one) -> exact 0 with zero gradient.
     """
     stats = group_stats(rewards, group_ids, _num_groups(group_ids))
     return _zero_if_flat(rewards - stats.mean[group_ids], stats.flat[group_ids])
@@ -66,7 +69,9 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
     Optimization" (arXiv:2402.14740). A group of one has no baseline; it is
     flat and gets 0.
+    Shapes: rewards [R], group_ids [R] -> [R].
     Example: -> [1.0, -0.5, -0.5, 0., 0., 0.].
+    Empty input ([0]) -> [0]; a flat group -> exact 0 with zero gradient.
     """
     num_groups = _num_groups(group_ids)
     stats = group_stats(rewards, group_ids, num_groups)
@@ -90,6 +95,8 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-
     whiten over rollouts (each counted once), where OpenRLHF whitens over tokens,
     so long answers do not dominate the statistics. Fold a KL penalty into the
     rewards first (kl.py) for the paper's KL-in-reward form.
+    Shapes: rewards [R], group_ids [R] (unused) -> [R].
+    Empty input ([0]) -> [0]; fewer than 2 rollouts or all rewards equal -> exact zeros.
     Example: batch mean 0.4167, std 0.3764
     -> [1.5498, -1.1070, -1.1070, 0.2214, 0.2214, 0.2214] (the flat group is not 0:
     its reward sits above the batch mean).
@@ -106,6 +113,9 @@ def reinforce_pp_baseline_advantages(
     Hu et al. 2025 (arXiv:2501.03262), eq. for the baseline variant. The
     batch mean of group-centred rewards is 0 by construction (rollout-level),
     so we skip subtracting it: flat groups then stay exactly 0.
+        A_i = (r_i - mean_g) / (std_B(r - mean_g) + eps)
+    Shapes: rewards [R], group_ids [R] -> [R].
+    Empty input ([0]) -> [0]; all groups flat -> exact zeros.
     Example: centred [0.6667, -0.3333, -0.3333, 0, 0, 0], batch std 0.3651
     -> [1.8257, -0.9129, -0.9129, 0., 0., 0.].
     """
@@ -116,6 +126,10 @@ def row_advantages(
     estimator: Estimator, prompt_ids: Sequence[str], rollout_ids: Sequence[str], rewards: Tensor
 ) -> Tensor:
     """Apply `estimator` to the rollouts of a batch of rows -> one advantage per row [N].
+
+    A_row = estimator(rollout_rewards, rollout_group)[rollout(row)]. Source: the
+    estimator's paper; the row-to-rollout collapse is Molt's (groups.py).
+    Shapes: prompt_ids [N], rollout_ids [N], rewards [N] -> [N]. Empty input -> [0].
 
     Segments of one rollout count once in group statistics and all receive the
     rollout's advantage. Example: prompt_ids ["p"] * 5, rollout_ids

@@ -36,7 +36,11 @@ AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 def count_loss_tokens(loss_mask: Tensor) -> tuple[int, int]:
     """(valid tokens, rows with >= 1 valid token) of one micro-batch; sum them over the step.
 
+    N_tokens = sum_it m_it, N_seqs = sum_i any_t m_it: the denominators of
+    aggregate_loss (token_mean from DAPO, Yu et al. 2025, arXiv:2503.14476).
+    Shapes: loss_mask [B, T] bool -> (int, int).
     Example: [[1, 1, 0], [0, 0, 0], [1, 0, 0]] -> (3, 2).
+    Empty ([0, T], [B, 0]) or all-false mask -> (0, 0).
     """
     return int(loss_mask.sum()), int(loss_mask.any(-1).sum())
 
@@ -60,9 +64,14 @@ def aggregate_loss(
 ) -> Tensor:
     """This micro-batch's share of the step loss (a 0-dim tensor), by `mode`.
 
+    Formulas: the module docstring. token_mean: DAPO (Yu et al. 2025,
+    arXiv:2503.14476); seq_mean_token_mean: GRPO (Shao et al. 2024,
+    arXiv:2402.03300) and GSPO; seq_mean_token_sum: Dr.GRPO (Liu et al. 2025,
+    arXiv:2503.20783). Shapes: per_token_loss, loss_mask [B, T] -> [] (0-dim).
     Example: two rows, A with 4 valid tokens of loss 1.0, B with 6 tokens all
     masked: token_mean with global_num_tokens 4 -> 1.0 (not 4/10 = 0.4).
-    A micro-batch with no valid token returns exactly 0 with zero gradient;
+    A micro-batch with no valid token (all-masked, [0, T] or [B, 0]) returns
+    exactly 0 with zero gradient, even with NaN/inf off-mask;
     a global count of 0 is read as 1 (the whole step is empty).
     """
     local_tokens, local_seqs = count_loss_tokens(loss_mask)

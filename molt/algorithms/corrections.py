@@ -51,7 +51,12 @@ def _weights_where(keep: Tensor, log_weight: Tensor) -> Tensor:
 def no_correction(
     train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
 ) -> Correction:
-    """Weight 1 on every valid token; for on-policy runs or when the anchor is the rollout."""
+    """Weight 1 on every valid token; for on-policy runs or when the anchor is the rollout.
+
+    w_t = 1, keep = loss_mask. Source: none (plain on-policy PPO/GRPO, arXiv:1707.06347).
+    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
+    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
+    """
     del train_logprobs, rollout_logprobs
     return Correction(loss_mask.float(), loss_mask)
 
@@ -65,7 +70,9 @@ def truncated_is(
     Off-Policy RL Training" (fengyao.notion.site). Computed as
     exp(min(d_t, log cap)), so d_t = 89 gives cap, not inf. Non-finite d_t is dropped.
 
+    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
     Example: d [[0., log 3, -1.]], cap 2 -> weight [[1., 2., 0.3679]].
+    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     keep = loss_mask & (gap > -math.inf)  # also false for NaN
@@ -80,8 +87,10 @@ def icepop(
     Ling Team 2025, "Small Leak Can Sink a Great Ship: Boost RL Training on
     MoE with IcePop" (ring-1t report): M(k) = k if low <= k <= high else 0.
 
+    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
     Example: d [[0., 89., log 0.25]], low 0.5, high 5 -> weight [[1., 0., 0.]],
     keep [[T, F, F]].
+    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     keep = loss_mask & (gap >= math.log(low)) & (gap <= math.log(high))
@@ -99,6 +108,8 @@ def sequence_mis(
 
     Example: rows d [[0.1, 0.2], [1., 1.]], cap 2: rho = [1.3499, 7.389]
     -> weight [[1.3499, 1.3499], [0., 0.]].
+    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
+    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     seq_gap = gap.sum(-1, keepdim=True)  # [B, 1]
@@ -117,6 +128,8 @@ def geometric_mis(
 
     Example: rows d [[0.1, -0.1], [0.5, 0.7]], band [0.5, 1.5]: means [0, 0.6],
     exp = [1, 1.8221] -> weight [[1., 1.], [0., 0.]].
+    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
+    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     mean_gap = gap.sum(-1, keepdim=True) / loss_mask.sum(-1, keepdim=True).clamp(min=1)
@@ -126,7 +139,13 @@ def geometric_mis(
 
 
 def apply_correction(per_token_loss: Tensor, correction: Correction) -> Tensor:
-    """where(keep, weight * loss, 0): dropped tokens give exactly 0 and 0 gradient."""
+    """where(keep, weight * loss, 0): dropped tokens give exactly 0 and 0 gradient.
+
+    The importance-weighted loss of TIS/IcePop/MIS (see each correction's paper).
+    Shapes: per_token_loss [B, T], Correction of [B, T] -> [B, T].
+    All-masked (keep all False) or empty input -> zeros of its shape, zero gradient,
+    even with NaN or inf in the loss.
+    """
     weighted = correction.weight * per_token_loss
     return torch.where(correction.keep, weighted, torch.zeros_like(weighted))
 
@@ -151,7 +170,10 @@ def decoupled_ppo_loss(
     at `behaviour_cap` (None: e^MAX_LOG_RATIO bound only).
 
     Example: prox = behav (fresh data) reduces to PPO with old = prox.
+    Shapes: logprobs, proximal_logprobs, rollout_logprobs, advantages, loss_mask
+    [B, T] -> PolicyLoss of [B, T].
     Returns the inner PPO's `PolicyLoss` with its per-token loss reweighted.
+    All-masked input gives zero loss and zero gradient; empty input keeps its shape.
     """
     cap = behaviour_cap if behaviour_cap is not None else math.exp(MAX_LOG_RATIO)
     behaviour = truncated_is(proximal_logprobs, rollout_logprobs, loss_mask, cap)

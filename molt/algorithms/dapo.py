@@ -34,7 +34,12 @@ class GroupSelection:
 
 
 def is_flat(rewards: Sequence[float]) -> bool:
-    """True when every reward is exactly equal (also for 0 or 1 reward)."""
+    """True when every reward is exactly equal (also for 0 or 1 reward).
+
+    flat = (max r == min r): the zero-advantage groups that DAPO's dynamic
+    sampling filters out (Yu et al. 2025, arXiv:2503.14476).
+    Shapes: rewards, a sequence of n floats -> bool. Empty ([]) -> True.
+    """
     return len(rewards) == 0 or max(rewards) == min(rewards)
 
 
@@ -47,10 +52,14 @@ def select_informative_groups(
     their rollout's reward, which cannot change whether a group is flat, so rows
     may be passed as they come.
 
+    keep = the first num_groups_per_step groups with not is_flat(rewards)
+    (Yu et al. 2025, arXiv:2503.14476, dynamic sampling).
+    Shapes: G candidate groups of any length each -> GroupSelection of index lists.
     Example: groups [[1, 0], [1, 1], [0, 0, 1], [0.5, 0.5], [0, 1]] with 2 per
     step -> keep [0, 2], surplus [4], dropped [1, 3], num_more_needed 0;
     with 4 per step -> keep [0, 2, 4], num_more_needed 1.
-    No candidates -> nothing kept, num_more_needed = num_groups_per_step.
+    No candidates -> nothing kept, num_more_needed = num_groups_per_step; an
+    empty group is flat and dropped.
     """
     if num_groups_per_step < 1:
         raise ValueError(
@@ -74,9 +83,11 @@ def overlong_penalty(num_generated: Tensor, max_length: int, cache_length: int) 
         0                              if L <= max_length - cache_length
         ((max_length - cache_length) - L) / cache_length   if inside the cache
         -1                             if L > max_length
-    (DAPO eq. 13.) L = number of generated tokens of the row.
+    (DAPO eq. 13, Yu et al. 2025, arXiv:2503.14476.) L = generated tokens of the row.
 
+    Shapes: num_generated [B] int -> [B] float.
     Example: max_length 20, cache_length 4, L [16, 18, 20, 25] -> [0., -0.5, -1., -1.].
+    Empty input ([0]) -> [0]; L = 0 (zero-length completion) -> 0.
     """
     if not 0 < cache_length <= max_length:
         raise ValueError(
@@ -93,17 +104,27 @@ def token_entropy(logits: Tensor) -> Tensor:
     H = logsumexp(z) - sum_v p_v z_v.
 
     Vocabulary entries masked with -inf logits contribute 0 (p = 0), not NaN.
+    The entropy DAPO monitors (Yu et al. 2025, arXiv:2503.14476).
     Example: logits [[[0., 0.]]] -> [[log 2]] = [[0.6931]];
     [[[0., -inf]]] -> [[0.]].
+    Empty input ([0, T, V], [B, 0, V]) -> [0, T] / [B, 0]; a position whose logits
+    are all -inf (or V = 0) -> 0 with zero gradient, not NaN.
     """
+    dead = ~logits.isfinite().any(-1, keepdim=True)  # every entry masked: no distribution
+    logits = torch.where(dead, 0.0, logits)
     log_norm = logits.logsumexp(-1)
     probs = logits.softmax(-1)
     finite = torch.where(logits.isfinite(), logits, 0.0)
-    return log_norm - (probs * finite).sum(-1)
+    return torch.where(dead[..., 0], 0.0, log_norm - (probs * finite).sum(-1))
 
 
 def entropy_bonus(entropy: Tensor, loss_mask: Tensor, coef: float) -> Tensor:
     """Per-token loss term -coef * H [B, T] (maximises entropy), 0 off-mask; aggregate it
-    with the policy loss. Example: H [[0.7, 0.1]], mask [[1, 0]], coef 0.01 -> [[-0.007, 0.]]."""
+    with the policy loss. Example: H [[0.7, 0.1]], mask [[1, 0]], coef 0.01 -> [[-0.007, 0.]].
+
+    The entropy regulariser of PPO (Schulman et al. 2017, arXiv:1707.06347, eq. 9).
+    Shapes: entropy, loss_mask [B, T] -> [B, T].
+    All-masked or empty ([0, T], [B, 0]) input -> zeros of its shape, zero gradient.
+    """
     bonus = -coef * entropy
     return torch.where(loss_mask, bonus, torch.zeros_like(bonus))

@@ -47,7 +47,9 @@ def index_rollouts(
     Example: prompt_ids ["p", "p", "p", "q"], rollout_ids ["a", "a", "b", "c"],
     rewards [1., 1., 0., 2.] -> row_rollout [0, 0, 1, 2], rollout_group
     [0, 0, 1], rollout_rewards [1., 0., 2.], num_groups 2.
-    Empty input gives empty tensors and num_groups 0.
+    Shapes: prompt_ids, rollout_ids, rewards [N] -> RolloutIndex (see its fields).
+    No formula or paper: Molt bookkeeping for the group statistics of GRPO-style
+    estimators (DESIGN §3). Empty input gives empty tensors and num_groups 0.
 
     Raises ValueError when lengths differ or when segments of one rollout carry
     different rewards.
@@ -117,10 +119,15 @@ def group_stats(values: Tensor, group_ids: Tensor, num_groups: int) -> GroupStat
     `flat` is decided by comparing max and min, not by std == 0: in fp32 the
     mean of seven 0.35 rewards is not exactly 0.35, so the std is not exactly
     zero, while max == min is exact. Estimators use `flat` to return exact zeros.
+        mean_g = sum_g x / n_g,  std_g = sqrt(sum_g (x - mean_g)^2 / (n_g - 1))
+    (Bessel, as GRPO in TRL and verl; Shao et al. 2024, arXiv:2402.03300).
+    Shapes: values [R], group_ids [R] -> GroupStats of [G] tensors.
 
     Example: values [1., 0., 0.35, 0.35], group_ids [0, 0, 1, 1] -> count [2, 2],
     mean [0.5, 0.35], std [0.7071, 0.], flat [False, True].
     A group id with no member gets count 0, mean 0, std 0, flat True.
+    Empty input ([0] values) -> [G] such groups ([0] if G = 0). A zero std has
+    zero gradient (not NaN).
     """
     count = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
     count.index_add_(0, group_ids, torch.ones_like(values))
@@ -128,7 +135,9 @@ def group_stats(values: Tensor, group_ids: Tensor, num_groups: int) -> GroupStat
     mean = total / count.clamp(min=1)
     centred = values - mean[group_ids]
     squares = torch.zeros_like(count).index_add_(0, group_ids, centred * centred)
-    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    variance = squares / (count - 1).clamp(min=1)
+    zero = variance == 0  # sqrt'(0) = inf would make 0 * inf = NaN gradients
+    std = torch.where(zero, 0.0, torch.where(zero, 1.0, variance).sqrt())
     high = torch.zeros_like(count).scatter_reduce_(0, group_ids, values, "amax", include_self=False)
     low = torch.zeros_like(count).scatter_reduce_(0, group_ids, values, "amin", include_self=False)
     return GroupStats(count=count, mean=mean, std=std, flat=high == low)
@@ -137,6 +146,8 @@ def group_stats(values: Tensor, group_ids: Tensor, num_groups: int) -> GroupStat
 def rows_to_tokens(row_values: Tensor, loss_mask: Tensor) -> Tensor:
     """Spread one value per row [N] over that row's loss tokens -> [N, T].
 
+    A_it = v_i if loss_mask_it else 0 (outcome supervision, GRPO; Shao et al.
+    2024, arXiv:2402.03300). Empty input ([0] with [0, T], or [N, 0]) -> [0, T] / [N, 0].
     Tokens outside `loss_mask` get exactly 0, so a zero-length completion (an
     all-false row) carries no advantage at all.
 

@@ -45,11 +45,15 @@ def kl_penalty(
 ) -> Tensor:
     """Per-token KL(pi || pi_ref) estimate [B, T], exactly 0 (and 0 gradient) off-mask.
 
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d with d = log pi - log pi_ref
+    (Schulman 2020, "Approximating KL Divergence"; see the module docstring).
+    Shapes: logprobs, ref_logprobs, loss_mask [B, T] -> [B, T].
     Example: logprobs [[-1.0, -100.0]], ref_logprobs [[-1.5, 0.0]], k3,
     max_log_ratio 10: d = [0.5, -100 -> -10]
     -> [[exp(-0.5) - 1 + 0.5, exp(10) - 1 - 10]] = [[0.1065, 22015.4658]],
     gradient w.r.t. logprobs [[1 - exp(-0.5), 1 - exp(10)]] = [[0.3935, -22025.4658]].
-    All-masked input gives zeros.
+    All-masked input gives zeros with zero gradient, even with NaN/inf off-mask;
+    empty input ([0, T], [B, 0]) keeps its shape.
     """
     if max_log_ratio <= 0:
         raise ValueError(f"max_log_ratio must be > 0; got {max_log_ratio}; hint: 10 is usual")
@@ -72,5 +76,7 @@ def fold_kl_into_rewards(rewards: Tensor, token_kl: Tensor, coef: float) -> Tens
     to the outcome reward before advantages are estimated.
     Example: rewards [1.0, 0.0], token_kl [[0.1, 0.2], [0.0, 0.5]], coef 0.1
     -> [0.97, -0.05]. A row with no valid token keeps its reward.
+    Shapes: rewards [B], token_kl [B, T] -> [B]. Empty input: [0] -> [0]; [B, 0] kl
+    -> rewards unchanged.
     """
     return rewards.detach() - coef * token_kl.detach().sum(-1)

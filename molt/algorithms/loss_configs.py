@@ -44,6 +44,12 @@ class PPOLossConfig(_Config):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
+        """PPO: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), optional dual clip.
+
+        Schulman et al. 2017 (arXiv:1707.06347); dual clip Ye et al. 2020
+        (arXiv:1912.09729); clip-higher DAPO (arXiv:2503.14476).
+        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
+        """
         return losses.ppo_clip_loss(
             logprobs, old_logprobs, advantages, loss_mask,
             self.clip_low, self.clip_high, self.dual_clip,
@@ -58,6 +64,11 @@ class GSPOLossConfig(_Config):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
+        """GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t).
+
+        Zheng et al. 2025 (arXiv:2507.18071).
+        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
+        """
         return losses.gspo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_low, self.clip_high
         )
@@ -71,6 +82,11 @@ class CISPOLossConfig(_Config):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
+        """CISPO: -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi.
+
+        MiniMax 2025, "MiniMax-M1" (arXiv:2506.13585).
+        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
+        """
         return losses.cispo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_high, self.clip_low
         )
@@ -87,6 +103,9 @@ class NoCorrectionConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
+        """w_t = 1 on valid tokens (on-policy; no paper). [B, T] -> Correction of [B, T];
+        all-masked -> weight 0, keep False.
+        """
         return corr.no_correction(train_logprobs, rollout_logprobs, loss_mask)
 
 
@@ -97,6 +116,10 @@ class TISConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
+        """TIS: w_t = min(exp(d_t), cap); Yao et al. 2025, "Your Efficient RL
+        Framework Secretly Brings You Off-Policy RL Training".
+        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
+        """
         return corr.truncated_is(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
@@ -108,6 +131,9 @@ class IcePopConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
+        """IcePop: w_t = exp(d_t) if low <= exp(d_t) <= high else 0; Ling Team 2025
+        (Ring-1T). [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
+        """
         return corr.icepop(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
@@ -118,6 +144,10 @@ class SequenceMISConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
+        """Seq-MIS: rho = exp(sum_t d_t), row kept with weight rho iff rho <= cap; Liu
+        et al. 2025, "When Speed Kills Stability".
+        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
+        """
         return corr.sequence_mis(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
@@ -129,6 +159,10 @@ class GeometricMISConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
+        """Geo-MIS: row kept (weight 1) iff low <= exp(mean_t d_t) <= high; Liu et al.
+        2025, "When Speed Kills Stability".
+        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
+        """
         return corr.geometric_mis(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
@@ -151,7 +185,12 @@ class KLConfig(_Config):
     max_log_ratio: float = Field(10.0, gt=0, description="clamp of log pi - log pi_ref, value only")
 
     def per_token(self, logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
-        """Per-token KL [B, T], not yet multiplied by coef."""
+        """Per-token KL [B, T], not yet multiplied by coef.
+
+        k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d, d = log pi - log pi_ref (Schulman
+        2020, "Approximating KL Divergence"). [B, T] inputs -> [B, T]; all-masked or
+        empty -> zeros with zero gradient.
+        """
         return kl_penalty(logprobs, ref_logprobs, loss_mask, self.estimator, self.max_log_ratio)
 
 
@@ -165,7 +204,12 @@ class _Aggregation(_Config):
         global_num_tokens: int,
         global_num_seqs: int,
     ) -> Tensor:
-        """This micro-batch's share of the step loss; see aggregation.py."""
+        """This micro-batch's share of the step loss; see aggregation.py.
+
+        e.g. token_mean: sum_it m_it l_it / N_tokens (DAPO, arXiv:2503.14476);
+        seq_mean_token_sum: Dr.GRPO (arXiv:2503.20783). [B, T] -> 0-dim tensor;
+        all-masked or empty ([0, T], [B, 0]) -> exactly 0 with zero gradient.
+        """
         mode = self.type  # type: ignore[attr-defined]
         normalizer = getattr(self, "normalizer", None)
         return aggregate_loss(

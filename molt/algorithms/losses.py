@@ -42,7 +42,10 @@ class PolicyLoss:
 def masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     """log pi - log pi_old on valid tokens, clamped to +-MAX_LOG_RATIO; exactly 0 elsewhere.
 
+    The log of the PPO ratio r_t (Schulman et al. 2017, arXiv:1707.06347).
+    Shapes: logprobs, old_logprobs, loss_mask [B, T] -> [B, T]; gradient flows to logprobs only.
     Example: logprobs [[-1., -inf]], old [[-1.5, -1.]], mask [[1, 0]] -> [[0.5, 0.]].
+    All-masked or empty ([0, T], [B, 0]) input -> zeros of its shape, zero gradient.
     """
     gap = torch.where(loss_mask, logprobs - old_logprobs.detach(), 0.0)
     return gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -94,11 +97,13 @@ def ppo_clip_loss(
     Schulman et al. 2017 (arXiv:1707.06347); clip-higher from DAPO, Yu et al.
     2025 (arXiv:2503.14476); dual clip from Ye et al. 2020 (arXiv:1912.09729),
     which bounds the loss of a negative-advantage token whose ratio exploded.
+    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: log ratios [[0., 0.5, 0.5]], A [[1., 1., -1.]], clip 0.2/0.28,
     dual_clip 1.5: r = [1, 1.6487, 1.6487] -> loss [[-1., -1.28, 1.5]],
     clipped_high [[F, T, F]], dual_clipped [[F, F, T]].
-    All-masked input gives zero loss and zero gradient.
+    All-masked input (even with NaN/inf off-mask) gives zero loss, zero gradient,
+    ratio 1 and no clip flags; empty input ([0, T], [B, 0]) keeps its shape.
     """
     _check_clip(clip_low, clip_high)
     if dual_clip is not None and dual_clip <= 1.0:
@@ -130,10 +135,12 @@ def gspo_loss(
     in its GSPO-token form: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], whose value
     is s_i on every token and whose gradient is s_i * grad log pi(y_t). With
     `seq_mean_token_mean` aggregation this is exactly GSPO.
+    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: one row, log ratios [[0.1, 0.3]], A 1, clip 3e-4/4e-4:
     s = exp(0.2) = 1.2214 -> clipped to 1.0004, loss [[-1.0004, -1.0004]].
-    A row with no valid token gets s = 1 and zero loss.
+    A row with no valid token gets s = 1 and zero loss with zero gradient; empty
+    input ([0, T], [B, 0]) keeps its shape.
     """
     _check_clip(clip_low, clip_high)
     log_ratio = masked_log_ratio(logprobs, old_logprobs, loss_mask)
@@ -161,10 +168,12 @@ def cispo_loss(
     token keeps its gradient (weight times grad log pi); only the weight is
     capped. clip_low None means no lower bound, as in the paper. The loss
     *value* includes log pi and is not itself meaningful; its gradient is.
+    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: log ratios [[0., 1.]], logprobs [[-1., -2.]], A 1, clip_high 0.5:
     weights [1, 1.5] (e = 2.718 capped) -> loss [[1., 3.]], gradient w.r.t.
     logprobs [[-1., -1.5]], clipped_high [[F, T]].
+    All-masked input gives zero loss and zero gradient; empty input keeps its shape.
     """
     ratio = masked_log_ratio(logprobs, old_logprobs, loss_mask).exp().detach()
     low_bound = None if clip_low is None else 1.0 - clip_low

@@ -22,6 +22,11 @@ def completion_loss_mask(
     `num_generated` [B], if given, also cuts each row at its generated length,
     the only way to express a zero-length completion in a padded tensor.
 
+    m_it = (no EOS in ids[i, :t]) and (t < num_generated_i); no paper: the
+    padding convention of Hugging Face generate.
+    Shapes: completion_ids [B, T] long, num_generated [B] -> [B, T] bool.
+    Empty input ([0, T], [B, 0]) -> an all-false mask of the same shape.
+
     Example: eos_id 2, completion_ids [[5, 6, 2, 2, 2], [7, 8, 9, 4, 3]]
     -> [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]; with num_generated [3, 0]
     -> [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]].

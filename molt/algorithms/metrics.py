@@ -51,8 +51,13 @@ def policy_step_metrics(
     logprobs: logprob_diff/{abs_mean,abs_max} of train minus rollout. With
     `token_kl`: kl/mean. With `entropy`: entropy/mean.
 
+    Formulas: x/mean = sum_t m_t x_t / max(sum_t m_t, 1); ppo_kl = r - 1 - log r
+    (k3, Schulman 2020 "Approximating KL Divergence"); clip flags from losses.py (PPO,
+    Schulman et al. 2017, arXiv:1707.06347). Shapes: every tensor [B, T] -> dict of floats.
+
     Example: on the first on-policy step (train == rollout logprobs) every
     ratio is 1, so clip/*_frac = 0, ppo_kl/mean = 0, logprob_diff/abs_max = 0.
+    All-masked or empty ([0, T], [B, 0]) input -> every metric 0.0, never NaN.
     """
     mask = loss_mask
     out = {"tokens/count": float(mask.sum())}
@@ -96,6 +101,9 @@ def merge_token_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     Example: [{"tokens/count": 1, "kl/mean": 0.2, "ratio/max": 1.1},
               {"tokens/count": 3, "kl/mean": 0.6, "ratio/max": 1.3}]
     -> {"tokens/count": 4, "kl/mean": 0.5, "ratio/max": 1.3}.
+    Formula: count/sum add, max/min take extrema, mean/frac sum_k n_k x_k / max(sum_k n_k, 1)
+    with n_k = tokens/count (no paper: Molt's reduction rules). Shapes: list of dicts -> dict.
+    Empty list -> {}; parts with 0 tokens -> means 0.0, not NaN.
     """
     weights = [part["tokens/count"] for part in parts]
     total = sum(weights)
@@ -128,8 +136,13 @@ def group_metrics(
     advantage), groups/all_truncated_frac (every rollout of the group
     truncated), and with `row_advantages` [N] advantage/{std,abs_max}.
 
+    Formulas: reward/std Bessel over rollouts; groups/flat_frac = flat groups / G
+    (the zero-advantage groups of GRPO and DAPO, arXiv:2503.14476).
+    Shapes: prompt_ids, rollout_ids, rewards, finish_reasons [N], row_advantages [N].
+
     Example: one group of four rollouts, rewards [1, 1, 1, 1], all "length"
     -> groups/flat_frac 1.0, groups/all_truncated_frac 1.0.
+    Empty input (N = 0) -> every metric 0.0, never NaN.
     """
     index = index_rollouts(prompt_ids, rollout_ids, rewards)
     truncated = _truncated_rollouts(index, finish_reasons)  # [R] bool

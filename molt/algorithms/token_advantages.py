@@ -17,11 +17,16 @@ from torch import Tensor
 def outcome_token_rewards(rewards: Tensor, loss_mask: Tensor) -> Tensor:
     """Place each row's reward [B] on its last loss token -> [B, T].
 
+    r_it = R_i if t is row i's last loss token else 0: the outcome reward of
+    RLHF PPO (Ouyang et al. 2022, arXiv:2203.02155), as GAE expects it.
     Example: rewards [1., 2.], loss_mask [[1, 1, 0], [0, 1, 1]]
     -> [[0., 1., 0.], [0., 0., 2.]].
     A row with no loss token (zero-length completion) gets no reward anywhere.
+    Empty input ([0, T] or [B, 0] mask) -> zeros of the mask's shape.
     """
     num_tokens = loss_mask.shape[-1]
+    if num_tokens == 0:  # argmax over an empty axis raises
+        return torch.zeros(loss_mask.shape, dtype=rewards.dtype, device=rewards.device)
     last = num_tokens - 1 - loss_mask.flip(-1).int().argmax(-1)  # [B]
     positions = torch.arange(num_tokens, device=loss_mask.device)
     at_last = (positions[None, :] == last[:, None]) & loss_mask
@@ -45,12 +50,13 @@ def gae_advantages(
     Example: one row, token_rewards [[0, 0, 1]], values [[0.5, 0.6, 0.7]], all
     valid, gamma 0.9, lam 0.5: delta = [0.04, 0.03, 0.3],
     A = [[0.11425, 0.165, 0.3]], returns = [[0.61425, 0.765, 1.0]].
-    An all-false row gives zeros for both outputs.
+    An all-false row gives zeros for both outputs; empty input ([0, T] or
+    [B, 0]) gives two empty tensors of that shape.
 
     Returns (advantages [B, T], returns [B, T]).
     """
     token_rewards, values = token_rewards.detach(), values.detach()
-    next_value = torch.zeros_like(values[:, 0])  # [B]
+    next_value = values.new_zeros(values.shape[:1])  # [B]
     running = torch.zeros_like(next_value)
     columns = []
     for t in reversed(range(values.shape[-1])):
@@ -60,7 +66,7 @@ def gae_advantages(
         running = torch.where(valid, candidate, running)
         next_value = torch.where(valid, values[:, t], next_value)
         columns.append(torch.where(valid, candidate, torch.zeros_like(candidate)))
-    advantages = torch.stack(columns[::-1], dim=-1)
+    advantages = torch.stack(columns[::-1], dim=-1) if columns else torch.zeros_like(values)
     returns = torch.where(loss_mask, advantages + values, torch.zeros_like(values))
     return advantages, returns
 
@@ -75,10 +81,12 @@ def distillation_advantages(
     Models", arXiv:2306.13649; Thinking Machines 2025, "On-Policy
     Distillation"). Tokens the teacher likes more than the student get a
     positive advantage.
+    Shapes: rollout_logprobs, teacher_logprobs, loss_mask [B, T] -> [B, T].
 
     Example: rollout_logprobs [[-1.0, -2.0]], teacher_logprobs [[-0.5, -3.0]],
     mask all true, beta 1 -> [[0.5, -1.0]].
-    Masked tokens get 0 even when their logprobs are -inf or NaN.
+    Masked tokens get 0 even when their logprobs are -inf or NaN; an all-masked
+    or empty ([0, T], [B, 0]) input gives zeros of its shape.
     """
     valid = loss_mask
     gap = torch.where(valid, rollout_logprobs.detach() - teacher_logprobs.detach(), 0.0)
