@@ -2,7 +2,7 @@
 
 ``molt run PIPELINE.yaml [--set key=value ...] [--run-dir DIR]``
 ``molt graph PIPELINE.yaml``
-``molt replay RECORDING PIPELINE.yaml --into STAGE[.PORT] [--set ...]``
+``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
 ``molt models prepare NAME``
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import signal
 import sys
 from pathlib import Path
@@ -55,9 +56,11 @@ def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) ->
         ValueError: ``into`` names no stage of the pipeline.
     """
     data = copy.deepcopy(data)
-    target = into.split(".")[0]
-    if target not in data.get("stages", {}):
-        raise ValueError(f"{source}: --into {into!r}: no such stage; stages: {sorted(data.get('stages', {}))}")
+    target, stages = into.split(".")[0], sorted(data.get("stages", {}))
+    if target not in stages:
+        close = difflib.get_close_matches(target, stages, n=1)
+        raise ValueError(f"{source}: --into {into!r}: no such stage" +
+                         (f"; did you mean {close[0]!r}?" if close else f"; stages: {stages}"))
     edges = data.get("edges", [])
     upstream: set[str] = set()
     frontier = {target}
@@ -74,12 +77,31 @@ def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) ->
     return data
 
 
+def recorded_consumer(recording: str) -> str:
+    """``stage.port`` that consumed a recorded edge, from its folder name
+    (``RUN_DIR/record/shape.out--sink.in/...`` -> ``sink.in``).
+
+    Raises:
+        ValueError: the path holds no ``record/EDGE`` folder.
+    """
+    parts = Path(recording).resolve().parts
+    for name in reversed(parts):
+        if "--" in name and not name.endswith(".arrow"):
+            return name.split("--", 1)[1]
+    raise ValueError(f"--into is needed: {recording!r} is not inside RUN_DIR/record/PRODUCER.PORT--CONSUMER.PORT/")
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     data = yaml.safe_load(Path(args.pipeline).read_text())
     for item in args.set:
         apply_override(data, item, args.pipeline)
-    pipe = Pipeline.from_spec(replay_spec(data, args.recording, args.into, args.pipeline),
-                              source=f"{args.pipeline} (replay)")
+    into = args.into or recorded_consumer(args.recording)
+    try:
+        pipe = Pipeline.from_spec(replay_spec(data, args.recording, into, args.pipeline),
+                                  source=f"{args.pipeline} (replay into {into})")
+    except ValueError as e:
+        raise ValueError(f"{e}\nhint: --into names the stage that consumed the recorded edge "
+                         "(for record/A.out--B.in it is B)") from None
     return _run(pipe, args.run_dir)
 
 
@@ -108,15 +130,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="molt", description="Asynchronous RL of language models as a DAG of stages.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a pipeline")
-    run.add_argument("pipeline")
-    run.add_argument("--run-dir")
+    run.add_argument("pipeline", help="a pipeline YAML file, e.g. pipelines/smoke.yaml")
+    run.add_argument("--run-dir", help="a new or empty folder for the run (default: runs/NAME-TIMESTAMP)")
     graph = sub.add_parser("graph", help="print the validated DAG")
-    graph.add_argument("pipeline")
+    graph.add_argument("pipeline", help="a pipeline YAML file")
     replay = sub.add_parser("replay", help="re-run stages offline from a recorded edge")
     replay.add_argument("recording", help="a recorded .arrow file or folder (RUN_DIR/record/EDGE)")
-    replay.add_argument("pipeline")
-    replay.add_argument("--into", required=True, help="the stage (or stage.port) the recording feeds")
-    replay.add_argument("--run-dir")
+    replay.add_argument("pipeline", help="the pipeline whose downstream stages re-run")
+    replay.add_argument("--into", help="the stage (or stage.port) the recording feeds; default: the recorded "
+                        "edge's consumer, read from the RUN_DIR/record/EDGE folder name")
+    replay.add_argument("--run-dir", help="a new or empty folder (default: runs/NAME-replay-TIMESTAMP)")
     for sp in (run, graph, replay):
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a YAML value, e.g. stages.source.config.num_groups=4")

@@ -135,7 +135,8 @@ class Pipeline:
             raise ValueError(f"{path}: a pipeline is a mapping with 'stages' and 'edges'")
         for item in overrides or []:
             apply_override(data, item, str(path))
-        return cls.from_spec(data, source=str(path))
+        source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
+        return cls.from_spec(data, source=source)
 
     @classmethod
     def from_spec(cls, data: dict[str, Any] | PipelineSpec, source: str = "<python>") -> Pipeline:
@@ -168,11 +169,23 @@ class Pipeline:
         while len(order) < len(deps):
             ready = [s for s in deps if s not in order and deps[s] <= set(order)]
             if not ready:
-                cyc = [s for s in deps if s not in order]
-                raise ValueError(f"{self.source}: edges: cycle among stages {cyc} is not declared; "
-                                 "hint: mark the edge that closes it `feedback: true`")
+                raise ValueError(self._cycle_error(set(deps) - set(order)))
             order.extend(sorted(ready))
         return order
+
+    def _cycle_error(self, left: set[str]) -> str:
+        """Name the stages on a cycle (not those merely downstream of one) and its edges."""
+        on_cycle = set(left)
+        while True:  # drop stages that feed nothing on the cycle
+            keep = {s for s in on_cycle if any(e.src == s and e.dst in on_cycle and not e.cfg.feedback
+                                                for e in self.edges)}
+            if keep == on_cycle:
+                break
+            on_cycle = keep
+        edges = [f"edges[{e.index}] {e.src} -> {e.dst}" for e in self.edges
+                 if e.src in on_cycle and e.dst in on_cycle and not e.cfg.feedback]
+        return (f"{self.source}: edges: cycle among stages {sorted(on_cycle)} is not declared; hint: mark "
+                f"the one edge that closes it `feedback: true` (one of: {', '.join(edges)})")
 
     def describe(self) -> str:
         """The resolved DAG as text (``molt graph``)."""
@@ -211,7 +224,8 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def apply_override(data: dict[str, Any], item: str, source: str) -> None:
-    """Apply one ``dotted.key=value`` override (value parsed as YAML) in place.
+    """Apply one ``dotted.key=value`` override (value parsed as YAML) in place;
+    list items by index: ``edges.0.capacity=8`` or ``edges[0].capacity=8``.
 
     Raises:
         ValueError: the item has no ``=`` or walks through a non-mapping.
@@ -219,12 +233,21 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
     if "=" not in item:
         raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.source.config.num_groups=4")
     key, value = item.split("=", 1)
-    parts, node = key.split("."), data
-    for i, part in enumerate(parts[:-1]):
-        node = node.setdefault(part, {}) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])} is not a mapping")
-    node[parts[-1]] = yaml.safe_load(value)
+    parts = key.replace("[", ".").replace("]", "").split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last, here = i == len(parts) - 1, ".".join(parts[:i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"{source}: --set {key}: {here}: no such list index (the list has "
+                                 f"{len(node)} items)")
+            part = int(part)  # type: ignore[assignment]
+        elif not isinstance(node, dict):
+            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a mapping nor a list")
+        if last:
+            node[part] = yaml.safe_load(value)
+        else:
+            node = node[part] if isinstance(node, list) else node.setdefault(part, {})
 
 
 def _validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> Any:
@@ -233,7 +256,7 @@ def _validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> 
     except ValidationError as e:
         err = e.errors()[0]
         loc = prefix + tuple(err["loc"])
-        path = ".".join(str(p) for p in loc)
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             known = _known_keys(model, tuple(err["loc"])[:-1])

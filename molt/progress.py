@@ -31,10 +31,11 @@ class Progress:
     def __init__(self, pipe: Pipeline, run_dir: Path, live: bool, log_every_s: float = 10.0) -> None:
         self.pipe, self.run_dir, self.live = pipe, Path(run_dir), live
         self.offsets: dict[Path, int] = {}
-        self.values: dict[str, dict[str, float]] = {}  # key -> {replica: value}
+        self.values: dict[str, dict[str, tuple[float, float]]] = {}  # key -> {replica: (time, value)}
         self.reduce: dict[str, str] = {}
         self.log_every_s, self._last_log = log_every_s, 0.0
         self._live: Live | None = None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self._out = open(self.run_dir / "metrics.jsonl", "a")
 
     def __enter__(self) -> Progress:
@@ -71,17 +72,18 @@ class Progress:
                 self._out.write(line)
                 rec = json.loads(line)
                 for k, v in rec["values"].items():
-                    self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = v
+                    self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = (rec["time"], v)
                 self.reduce.update(rec.get("reduce", {}))
 
     def summary(self) -> dict[str, float]:
-        """Every metric key combined across replicas."""
+        """The latest value of every metric key, combined across replicas by its
+        reduction (``last``: the most recent line of any replica)."""
         out = {}
         for k, per in self.values.items():
-            vals = list(per.values())
+            vals = [v for _, v in per.values()]
             how = self.reduce.get(k, "last")
             out[k] = (sum(vals) if how == "sum" else max(vals) if how == "max"
-                      else sum(vals) / len(vals) if how == "mean" else vals[-1])
+                      else sum(vals) / len(vals) if how == "mean" else max(per.values())[1])
         return out
 
     def _table(self, elapsed_s: float) -> Table:

@@ -103,6 +103,7 @@ class Runner:
         self.procs: list[Proc] = []
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
+        self.start_s = time.monotonic()
 
     def start(self) -> None:
         """Write the resolved config and wiring, then start one process per replica."""
@@ -131,37 +132,38 @@ class Runner:
                                      start_new_session=True, preexec_fn=_die_with_parent)
         return Proc(f"{sid}.{replica}", popen, log_path)
 
-    def supervise(self) -> int:
-        """Poll until every process exits or one fails; return the exit code."""
-        start = time.monotonic()
-        with Progress(self.pipe, self.run_dir, self.live) as progress:
-            while True:
-                progress.update(time.monotonic() - start)
-                for p in self.procs:
-                    p.descendants |= _descendants(p.popen.pid)
-                codes = [p.popen.poll() for p in self.procs]
-                if any(c not in (None, 0) for c in codes):
-                    self.failure = self._root_cause()
-                    break
-                if all(c == 0 for c in codes):
-                    break
-                time.sleep(0.2)
-            self.stop()
-            progress.update(time.monotonic() - start)
-            summary = progress.summary()
-        return self._finish(summary, time.monotonic() - start)
+    def supervise(self, progress: Progress) -> None:
+        """Poll until every process has exited 0 or one has failed (sets ``failure``)."""
+        while True:
+            progress.update(time.monotonic() - self.start_s)
+            for p in self.procs:
+                p.descendants |= _descendants(p.popen.pid)
+            codes = [p.popen.poll() for p in self.procs]
+            if any(c not in (None, 0) for c in codes):
+                self.failure = self._root_cause()
+                return
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(0.2)
 
     def run(self) -> int:
-        """start + supervise; Ctrl-C stops every process and returns 130."""
-        try:
-            self.start()
-            return self.supervise()
-        except KeyboardInterrupt:
-            log.warning("interrupted: stopping %d process(es)", len(self.procs))
-            self.failure = {"stage": None, "error": "interrupted (Ctrl-C)"}
-            self.stop()
-            self._finish({}, 0.0)
-            return 130
+        """start + supervise + stop; returns 0, 1 (a stage failed) or 130 (interrupted).
+
+        SIGINT (Ctrl-C) arrives as KeyboardInterrupt; ``molt run`` turns SIGTERM into
+        one too. Either way every process is stopped and the summary is written.
+        """
+        self.start_s = time.monotonic()
+        with Progress(self.pipe, self.run_dir, self.live) as progress:
+            try:
+                self.start()
+                self.supervise(progress)
+            except KeyboardInterrupt:
+                log.warning("interrupted: stopping %d process(es)", len(self.procs))
+                self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
+            finally:
+                self.stop()
+            progress.update(time.monotonic() - self.start_s)
+            return self._finish(progress.summary(), time.monotonic() - self.start_s)
 
     def stop(self) -> None:
         """Stop every process and its descendants: SIGTERM, then SIGKILL (idempotent)."""
@@ -199,17 +201,18 @@ class Runner:
         return {"stage": dead.name, "error": f"process {dead.popen.pid} {how}; see {dead.log_path}"}
 
     def _finish(self, metrics: dict[str, Any], wall_s: float) -> int:
-        ok = self.failure is None
-        summary = {"status": "ok" if ok else "failed", "wall_s": round(wall_s, 3),
-                   "failed_stage": None if ok else self.failure["stage"],  # type: ignore[index]
-                   "error": None if ok else self.failure["error"],  # type: ignore[index]
-                   "metrics": metrics}
+        failure = self.failure or {}
+        status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
+        summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
+                   "error": failure.get("error"), "metrics": metrics}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        if ok:
+        if status == "ok":
             log.info("run finished in %.1f s: %s", wall_s, self.run_dir)
             return 0
-        log.error("stage %s failed; run stopped (%s)\n%s", summary["failed_stage"], self.run_dir,
-                  summary["error"])
+        if status == "interrupted":
+            log.warning("run interrupted after %.1f s; every process stopped: %s", wall_s, self.run_dir)
+            return 130
+        log.error("stage %s failed; run stopped (%s)\n%s", failure["stage"], self.run_dir, failure["error"])
         return 1
 
 

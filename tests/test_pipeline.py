@@ -55,9 +55,9 @@ ERRORS = [
      r"stages.knobs.config.max_new_tokens: Input should be greater than or equal to 1"),
     (GOOD.replace("name: t", "nmae: t"), r"p.yaml: nmae: unknown key; did you mean 'name'\?"),
     (GOOD.replace("{from: source, to: knobs}", "{from: source, to: knobs, kind: strem}"),
-     r"edges.0.kind: Input should be 'stream', 'keyed' or 'broadcast'"),
+     r"edges\[0\].kind: Input should be 'stream', 'keyed' or 'broadcast'"),
     (GOOD.replace("{from: source, to: knobs}", "{from: source, to: knobs, recrod: true}"),
-     r"edges.0.recrod: unknown key; did you mean 'record'\?"),
+     r"edges\[0\].recrod: unknown key; did you mean 'record'\?"),
     (GOOD.replace("tests.doubles.stages.Knobs", "tests.doubles.stages.Knbos"),
      r"stages.knobs.class: module 'tests.doubles.stages' has no class 'Knbos'; did you mean 'Knobs'\?"),
     (GOOD.replace("tests.doubles.stages.Knobs", "nowhere.Knobs"),
@@ -108,7 +108,9 @@ CYCLE = """\
 
 
 def test_an_undeclared_cycle_is_refused_and_a_declared_feedback_edge_is_accepted(tmp_path):
-    with pytest.raises(ValueError, match=r"cycle among stages \['actor', 'learner', 'sink'\] is not declared"):
+    with pytest.raises(ValueError, match=r"cycle among stages \['actor', 'learner'\] is not declared; hint: mark "
+                                         r"the one edge .* \(one of: edges\[1\] actor -> learner, "
+                                         r"edges\[3\] learner -> actor\)"):
         Pipeline.from_yaml(write(tmp_path, CYCLE % ""))
     pipe = Pipeline.from_yaml(write(tmp_path, CYCLE % ", feedback: true"))
     assert pipe.topo_order() == ["source", "actor", "learner", "sink"]
@@ -147,3 +149,14 @@ def test_the_smoke_pipeline_loads_and_draws_itself():
     assert "source.out->shape.in" in text and "keyed(prompt_id)" in text and "record" in text
     first = open("pipelines/smoke.yaml").readline()
     assert first.startswith("# molt run pipelines/smoke.yaml")
+
+
+def test_set_reaches_list_items_and_errors_name_the_override(tmp_path):
+    path = write(tmp_path, GOOD)
+    assert Pipeline.from_yaml(path, ["edges.0.capacity=9"]).edges[0].cfg.capacity == 9
+    assert Pipeline.from_yaml(path, ["edges[0].hwm=7"]).edges[0].cfg.hwm == 7
+    with pytest.raises(ValueError, match=r"--set edges.3.capacity: edges.3: no such list index \(the list has 1"):
+        Pipeline.from_yaml(path, ["edges.3.capacity=1"])
+    with pytest.raises(ValueError, match=r"p.yaml \(with --set edges.0.capacity=0\): edges\[0\].capacity: "
+                                         r"Input should be greater than or equal to 1"):
+        Pipeline.from_yaml(path, ["edges.0.capacity=0"])
