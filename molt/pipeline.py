@@ -235,16 +235,16 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
     key, value = item.split("=", 1)
     parts = key.replace("[", ".").replace("]", "").split(".")
     node: Any = data
-    for i, part in enumerate(parts):
-        last, here = i == len(parts) - 1, ".".join(parts[:i + 1])
+    for i, name in enumerate(parts):
+        part: str | int = name
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ValueError(f"{source}: --set {key}: {here}: no such list index (the list has "
-                                 f"{len(node)} items)")
-            part = int(part)  # type: ignore[assignment]
+            if not name.isdigit() or int(name) >= len(node):
+                raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])}: no such list index "
+                                 f"(the list has {len(node)} items)")
+            part = int(name)
         elif not isinstance(node, dict):
             raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a mapping nor a list")
-        if last:
+        if i == len(parts) - 1:
             node[part] = yaml.safe_load(value)
         else:
             node = node[part] if isinstance(node, list) else node.setdefault(part, {})

@@ -167,10 +167,12 @@ class Engine(abc.ABC):
         Aborting an unknown or finished request does nothing.
         """
 
+    _version: int = 0  # set by subclasses at construction and by load_weights
+
     @property
-    @abc.abstractmethod
     def policy_version(self) -> int:
         """Version of the weights that the next decode step will use."""
+        return self._version
 
     @abc.abstractmethod
     def close(self) -> None:

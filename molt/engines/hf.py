@@ -92,11 +92,6 @@ class TransformersEngine(Engine):
         self._unpaused.set()
         self.last_weight_digests: dict[str, str] = {}
 
-    @property
-    def policy_version(self) -> int:
-        """Version of the weights that the next decode step will use."""
-        return self._version
-
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> Completion:
         """Sample one completion token by token; see `Engine.generate`."""

@@ -105,11 +105,6 @@ class VLLMEngine(Engine):
         self.last_weight_digests: dict[str, str] = {}
         self.last_load_seconds = 0.0
 
-    @property
-    def policy_version(self) -> int:
-        """Version of the weights that the next decode step will use."""
-        return self._version
-
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> Completion:
         """Sample one completion; see `Engine.generate` and the module docstring."""
