@@ -247,7 +247,7 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
         if i == len(parts) - 1:
             node[part] = yaml.safe_load(value)
         else:
-            node = node[part] if isinstance(node, list) else node.setdefault(part, {})
+            node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
 
 
 def _validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> Any:
