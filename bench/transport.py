@@ -106,14 +106,14 @@ def measure(send, recv, size: int, count: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--count", type=int, default=0, help="messages per size (default: 256 MiB worth, >= 8)")
+    ap.add_argument("--count", type=int, default=0, help="messages per size (default: 1 GiB worth, >= 16)")
     args = ap.parse_args()
     ratio16 = raw16 = molt16 = 0.0
     print(f"{'size':>8} {'raw GB/s':>9} {'molt GB/s':>10} {'ratio':>6}")
     for mib in (1, 16, 64):
-        count = args.count or max(8, 256 // mib)
-        raw = max(measure(raw_send, raw_recv, mib * MiB, count) for _ in range(2))
-        molt = max(measure(edge_send, edge_recv, mib * MiB, count) for _ in range(2))
+        count = args.count or max(16, 1024 // mib)
+        raw = max(measure(raw_send, raw_recv, mib * MiB, count) for _ in range(3))
+        molt = max(measure(edge_send, edge_recv, mib * MiB, count) for _ in range(3))
         print(f"{mib:>5}MiB {raw:>9.2f} {molt:>10.2f} {molt / raw:>6.2f}")
         if mib == 16:
             ratio16, raw16, molt16 = molt / raw, raw, molt

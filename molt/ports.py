@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from molt.schema import conform
 from molt.transport import (BARRIER, CREDIT, DATA, END, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
-                            ProtocolError, UpstreamError, decode_batch, encode_batch, split_frames)
+                            ProtocolError, SendBuffers, UpstreamError, decode_batch, encode_batch, split_frames)
 
 
 class InputPort:
@@ -139,6 +139,7 @@ class OutputPort:
         self.name, self.producer_id = name, producer_id
         self.edges = [OutputEdge(ctx, s, i, producer_id) for s, i in edges]
         self.recorders = recorders or {}
+        self.buffers = SendBuffers()
 
     async def wait_ready(self) -> None:
         for e in self.edges:
@@ -156,11 +157,17 @@ class OutputPort:
         for e in self.edges:
             if e.spec.name in self.recorders:
                 self.recorders[e.spec.name].write(batch)
+        # Encode once for every stream/broadcast edge; a buffer a broadcast edge keeps
+        # as its latest value is never recycled.
+        reuse = all(e.spec.kind != "broadcast" for e in self.edges)
         shared = None
         if any(e.spec.kind != "keyed" for e in self.edges):
-            shared = encode_batch(batch)
+            shared = encode_batch(batch, self.buffers if reuse else None)
+        trackers = []
         for e in self.edges:
-            await e.send_data(batch, shared)
+            trackers += await e.send_data(batch, shared, self.buffers)
+        if shared is not None and reuse:
+            self.buffers.hold(shared.parent, trackers)
 
     async def send_barrier(self, step: int) -> None:
         for e in self.edges:
