@@ -24,8 +24,9 @@ from torch import Tensor
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(logp [n] fp32, log_softmax [n, V] fp32) of one chunk."""
-    logits = (hidden @ weight.t()).float() / temperature  # [n, V]
+    """(logp [n] fp32, log_softmax [n, V] fp32) of one chunk; the projection runs in fp32
+    even under bf16 compute, since importance ratios are sensitive to logprob error."""
+    logits = (hidden.float() @ weight.float().t()) / temperature  # [n, V]
     log_probs = torch.log_softmax(logits, dim=-1)
     return log_probs.gather(-1, targets[:, None])[:, 0], log_probs
 
@@ -57,7 +58,7 @@ class _TargetLogprobs(torch.autograd.Function):
             dz[torch.arange(len(y), device=dz.device), y] += 1.0
             dz *= (g / ctx.temperature)[:, None]  # [n, V] gradient w.r.t. the logits z
             if grad_hidden is not None:
-                grad_hidden[start:end] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start:end] = (dz @ weight.float()).to(hidden.dtype)
             grad_weight += dz.t() @ h.float()
         grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_w, None, None, None

@@ -265,3 +265,18 @@ class SlowTrainer(Service):
                 "created_unix_s": time.time()}], WEIGHT_VERSION_SCHEMA))
         for b in groups:
             await self.send("out", b)
+
+
+class HashReward(Transform):
+    """Adds ``reward`` = crc32(sample_id) % 2: varied rewards, so GRPO advantages are non-zero."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("sample_id",))}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=("reward",))}
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        import zlib
+
+        from molt.schema import COLUMNS
+
+        values = [float(zlib.crc32(s.encode()) % 2) for s in batch.column("sample_id").to_pylist()]
+        return batch.append_column(COLUMNS["reward"], pa.array(values, pa.float32()))

@@ -1,0 +1,139 @@
+"""Trainer step throughput vs a plain single-process PyTorch loop, same model and batch, same run.
+
+Batch: ``--rows`` random sequences of ``--tokens`` tokens each (the last half generated,
+advantages +-1), the default model (SmolLM2-135M, fp32 master weights).
+Molt: ``molt.train`` as the train stage runs it (FSDP2 at world size 1 on gloo, one
+packed micro-batch, chunked logprobs, PPO loss with token-mean over the step, AdamW,
+clip). Baseline: ``AutoModelForCausalLM`` + AdamW, a right-padded ``[B, T]`` batch with
+an attention mask, full logits, ``log_softmax``/``gather``, the same PPO loss, clip, step.
+Each side runs in its own spawned process (so peak RSS is its own): ``--warmup`` steps,
+then ``--steps`` timed steps; the two sides alternate ``--repeats`` times and each keeps
+its best time. Run: ``python bench/train.py [--rows 4 --tokens 128]``.
+Ends with ``ratio train R (molt X tok/s / baseline Y tok/s)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import time
+
+import torch
+
+from molt.algorithms import ppo_clip_loss
+from molt.models import resolve_model
+
+TEMPERATURE = 1.0
+
+
+def make_rows(args: argparse.Namespace) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(args.rows):
+        ids = torch.randint(3, 49152, (args.tokens,), generator=gen).tolist()
+        mask = [k >= args.tokens // 2 for k in range(args.tokens)]
+        rows.append({"sample_id": f"s{i}", "prompt_id": f"p{i // 2}", "rollout_id": f"s{i}", "token_ids": ids,
+                     "loss_mask": mask, "rollout_logprobs": [-10.0 if m else 0.0 for m in mask],
+                     "policy_version": [0 if m else -1 for m in mask],
+                     "advantages": [(1.0 if i % 2 else -1.0) if m else 0.0 for m in mask], "reward": float(i % 2)})
+    return rows
+
+
+def molt_side(args: argparse.Namespace) -> float:
+    """Seconds per step of molt.train (FSDP2, world size 1)."""
+    from molt.schema import batch_from_rows, make_schema, resolve_fields
+    from molt.stage import StageContext
+    from molt.train import ObjectiveConfig, OptimConfig, load_policy, shard_policy, train_step
+    from molt.train.optim import make_optimizer
+    from stages.pack import Pack
+
+    rows = make_rows(args)
+    schema = make_schema(resolve_fields(tuple(rows[0]), "bench"), "trajectory")
+    pack = Pack(Pack.Config(groups_per_step=1, max_tokens_per_micro_batch=args.rows * args.tokens),
+                StageContext("pack"))
+    pack.setup()
+    batch = pack.place([batch_from_rows(rows, schema)])
+    model = shard_policy(load_policy(resolve_model("smollm2-135m-instruct"), TEMPERATURE), args.dtype)
+    optim = OptimConfig(lr=1e-6)
+    optimizer = make_optimizer(list(model.parameters()), optim)
+    return timed(lambda k: train_step(model, optimizer, batch, ObjectiveConfig(), optim, k), args)
+
+
+def baseline_side(args: argparse.Namespace) -> float:
+    """Seconds per step of a plain transformers + AdamW loop on a padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    rows = make_rows(args)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.tensor([r["token_ids"] for r in rows])  # [B, T]
+    mask = torch.tensor([r["loss_mask"] for r in rows])[:, 1:]
+    old = torch.tensor([r["rollout_logprobs"] for r in rows])[:, 1:]
+    adv = torch.tensor([r["advantages"] for r in rows])[:, 1:]
+
+    def step(_: int) -> None:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+        with autocast:
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = torch.where(mask, ppo_clip_loss(logp, old, adv, mask).per_token_loss, 0.0).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed(step, args)
+
+
+def timed(step, args: argparse.Namespace) -> float:  # type: ignore[no-untyped-def]
+    for k in range(args.warmup):
+        step(k)
+    start = time.perf_counter()
+    for k in range(args.steps):
+        step(args.warmup + k)
+    return (time.perf_counter() - start) / args.steps
+
+
+def child(side: str, args: argparse.Namespace, queue: mp.Queue) -> None:
+    torch.set_num_threads(args.threads)
+    seconds = molt_side(args) if side == "molt" else baseline_side(args)
+    queue.put((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+
+
+def run(side: str, args: argparse.Namespace) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(side, args, queue))
+    proc.start()
+    seconds, peak_mib = queue.get()
+    proc.join()
+    return seconds, peak_mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per row")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=2, help="alternate the sides; keep each side's best")
+    args = parser.parse_args()
+    tokens = args.rows * args.tokens
+    results: dict[str, tuple[float, float]] = {}
+    for _ in range(args.repeats):  # alternating evens out load from other processes on the host
+        for side in ("baseline", "molt"):
+            seconds, peak = run(side, args)
+            best = results.get(side, (float("inf"), 0.0))
+            results[side] = (min(best[0], seconds), max(best[1], peak))
+    for side, (seconds, peak) in results.items():
+        print(f"{side:8s} {seconds:7.2f} s/step  {tokens / seconds:7.1f} tok/s  peak RSS {peak:7.0f} MiB")
+    ours, base = tokens / results["molt"][0], tokens / results["baseline"][0]
+    print(f"ratio train {ours / base:.2f} (molt {ours:.1f} tok/s / baseline {base:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The policy model on a data-parallel group: load, FSDP2-wrap, packed logprobs, export.
+
+`PolicyModel` wraps a Hugging Face causal LM so that one forward of a packed sequence
+returns the logprob of every next token (``molt.train.logprobs``, chunked over
+tokens) instead of full-vocabulary logits. It is sharded with FSDP2
+(``torch.distributed.fsdp.fully_shard``): each decoder layer, then the wrapper, which
+owns the embedding, final norm and (tied) head. Gradients are *averaged* across
+ranks by the reduce-scatter, so the caller multiplies each loss share by the world
+size to get the summed gradient (molt.algorithms.aggregation).
+
+Process group: under torchrun the worker has already called
+``init_process_group``; in a single process (world size 1, tests, bench)
+`ensure_process_group` starts a one-rank gloo group on an in-memory store.
+Devices: CPU with gloo (tested); CUDA with NCCL (``device: cuda``) follows the
+FSDP2 docs and is unverified here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from molt.train.logprobs import target_logprobs
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ensure_process_group(device: str = "cpu") -> None:
+    """Start a one-rank process group (gloo; nccl on cuda) unless one exists."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+class PolicyModel(nn.Module):
+    """A causal LM whose forward maps a packed sequence to next-token logprobs [S]."""
+
+    def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024) -> None:
+        super().__init__()
+        self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """logp [S] fp32 of token t given tokens before it in its own row; 0 at each row's first token.
+
+        ``input_ids``, ``position_ids`` [1, S] as made by `pack_sequences`; no attention
+        mask and no cache, so transformers builds the block-diagonal causal mask from
+        the position restarts.
+        """
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids,  # type: ignore[operator]
+                               use_cache=False).last_hidden_state[0]  # [S, H]
+        weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]
+        logp = target_logprobs(hidden[:-1], weight, input_ids[0, 1:], self.temperature, self.chunk_tokens)
+        first = (position_ids[0, 1:] == 0)  # the token starts a new row: no prediction for it
+        return torch.cat([logp.new_zeros(1), torch.where(first, 0.0, logp)])
+
+
+def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
+    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lm.config.use_cache = False
+    return PolicyModel(lm, temperature, chunk_tokens).train()
+
+
+def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu") -> PolicyModel:
+    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper (root), over all ranks.
+
+    ``compute_dtype`` "bfloat16" casts parameters to bf16 for compute while the sharded
+    master weights, gradients' reduction and the optimizer stay fp32
+    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
+
+    Raises:
+        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if compute_dtype not in DTYPES:
+        raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}; got {compute_dtype!r}")
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+    if device != "cpu":
+        model.to(device)
+    for layer in model.lm.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def export_names(model: PolicyModel) -> dict[str, str]:
+    """Map of wrapper state-dict names to the HF names the model folder uses.
+
+    Drops ``lm.`` and, when embeddings are tied, ``lm_head.weight`` (the HF folder
+    stores only ``model.embed_tokens.weight``; engines tie it back on load).
+    """
+    tied = bool(getattr(model.lm.config, "tie_word_embeddings", False))
+    names = {}
+    for name in model.state_dict():
+        hf = name.removeprefix("lm.")
+        if not (tied and hf == "lm_head.weight"):
+            names[name] = hf
+    return names
+
+
+def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
+    """Full, HF-named, CPU state dict; a collective: every rank must call it.
+
+    Uses ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, so only
+    rank 0 gets tensors (other ranks get an empty dict).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    names = export_names(model)
+    return {names[k]: cast(Tensor, v).contiguous() for k, v in state.items() if k in names}

@@ -1,0 +1,242 @@
+"""One optimizer step of the policy over a packed step batch (DESIGN §8).
+
+The pack stage sends a step as one record batch whose rows carry ``dp_rank``,
+``micro_batch`` and the step's global ``step_loss_tokens`` / ``step_loss_seqs``.
+Every rank sees the whole batch and trains its own rows:
+
+    1) refuse stale tokens:  version - policy_version_t <= max_staleness on every generated token
+    2) for each of the rank's micro-batches (the same count M on every rank):
+         logp = packed forward (block-diagonal)          # [S] -> [B, T]
+         old  = rollout_logprobs ("rollout" anchor) or logp.detach() ("trainer" anchor:
+                the proximal policy; one optimizer step per batch makes the separate
+                no-grad recompute pass unnecessary, its result would be identical)
+         c    = correction(logp, rollout_logprobs)       # TIS, IcePop, ... (molt.algorithms)
+         L    = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
+         share = aggregation(L, loss_mask, step_loss_tokens, step_loss_seqs)
+         backward(share * world_size)                     # FSDP averages over ranks; we want the sum
+    3) clip the global grad norm, set the scheduled lr, AdamW step
+
+So the update is the same for any split into ranks and micro-batches. An empty
+micro-batch (the rank had fewer rows) runs a 2-token dummy forward/backward with zero
+loss, so FSDP's collectives still match across ranks.
+
+Shape legend: B rows of a micro-batch, T their longest row, S packed tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from molt.algorithms import apply_correction, merge_token_metrics, policy_step_metrics
+from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
+                                          PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
+from molt.columns import padded
+from molt.schema import make_schema
+from molt.train.optim import OptimConfig, set_lr
+from molt.train.packing import pack_sequences
+
+STEP_READS = ("sample_id", "token_ids", "loss_mask", "rollout_logprobs", "policy_version", "advantages")
+
+
+class ObjectiveConfig(BaseModel):
+    """Loss knobs of the train stage; each sub-config is selected by its ``type:``.
+
+        policy_loss: {type: ppo, clip_low: 0.2, clip_high: 0.28}
+        correction: {type: tis, cap: 2.0}
+        kl: {estimator: k3, coef: 0.001, apply_to: loss}     # needs column ref_logprobs
+        aggregation: {type: token_mean}
+        anchor: rollout
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy_loss: PolicyLossConfig = Field(default_factory=PPOLossConfig)  # type: ignore[arg-type, assignment]
+    correction: CorrectionConfig = Field(default_factory=NoCorrectionConfig)  # type: ignore[arg-type, assignment]
+    kl: KLConfig | None = None
+    aggregation: AggregationConfig = Field(default_factory=TokenMeanConfig)  # type: ignore[arg-type, assignment]
+    anchor: Literal["rollout", "trainer"] = Field(
+        "rollout", description="old logprobs of the policy ratio: the engine's, or the trainer's own")
+
+
+@dataclass
+class StepResult:
+    """What one step did, reduced over ranks. ``metrics`` use molt.algorithms.metrics keys."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    metrics: dict[str, float]
+
+
+def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | None) -> int:
+    """Refuse generated tokens older than ``max_staleness`` steps; return the step's max lag.
+
+    lag_t = version - policy_version_t on tokens with loss_mask true.
+    Example: version 3, max_staleness 1, a row with versions [-1, 1, 2] on mask
+    [F, T, T] has lag 2 > 1 -> ValueError naming its sample_id.
+
+    Raises:
+        ValueError: naming the first violating ``sample_id``, its lag and the limit.
+    """
+    worst = 0
+    rows = zip(batch.column("sample_id").to_pylist(), batch.column("policy_version").to_pylist(),
+               batch.column("loss_mask").to_pylist())
+    for sample_id, versions, mask in rows:
+        generated = [v for v, m in zip(versions, mask) if m]
+        lag = version - min(generated) if generated else 0
+        if max_staleness is not None and lag > max_staleness:
+            raise ValueError(f"sample {sample_id!r} has a token of policy_version {min(generated)}, "
+                             f"{lag} steps behind the trainer's version {version}; max_staleness is "
+                             f"{max_staleness}; hint: the rollout's max_staleness and groups_per_step "
+                             "must match the train and pack stages'")
+        worst = max(worst, lag)
+    return worst
+
+
+def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig,
+                step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
+    """This micro-batch's share of the step loss (0-dim) and its token metrics."""
+    packed = pack_sequences(mb.column("token_ids").to_pylist())
+    mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
+    valid = torch.arange(mask.shape[1])[None, :] < torch.tensor(packed.lengths)[:, None]
+    logp = torch.zeros(mask.shape).masked_scatter(valid, model(packed.input_ids, packed.position_ids))
+    rollout = padded(mb, "rollout_logprobs", torch.float32)
+    adv = padded(mb, "advantages", torch.float32)
+    corr = obj.correction.compute(logp, rollout, mask)
+    old = rollout if obj.anchor == "rollout" else logp.detach()
+    pl = obj.policy_loss.compute(logp, old, adv, corr.keep)
+    per_token = apply_correction(pl.per_token_loss, corr)
+    token_kl = None
+    if obj.kl is not None:
+        token_kl = obj.kl.per_token(logp, padded(mb, "ref_logprobs", torch.float32), mask)
+        per_token = per_token + obj.kl.coef * token_kl
+    share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
+    metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl)
+    return share, metrics
+
+
+def _dummy_loss(model: torch.nn.Module) -> Tensor:
+    """Zero loss through a 2-token forward: keeps FSDP collectives in step across ranks."""
+    packed = pack_sequences([[0, 0]])
+    return model(packed.input_ids, packed.position_ids).sum() * 0.0
+
+
+def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConfig,
+               rank: int, world_size: int) -> tuple[float, list[dict[str, float]]]:
+    """Forward/backward every micro-batch of ``rank``; returns (sum of shares, metrics)."""
+    ranks = batch.column("dp_rank").to_numpy()
+    micro = batch.column("micro_batch").to_numpy()
+    num_micro = int(micro.max()) + 1 if batch.num_rows else 0
+    step_tokens = int(batch.column("step_loss_tokens")[0].as_py())
+    step_seqs = int(batch.column("step_loss_seqs")[0].as_py())
+    total, parts = 0.0, []
+    for k in range(num_micro):
+        set_sync = getattr(model, "set_requires_gradient_sync", None)
+        if callable(set_sync):  # FSDP2: reduce-scatter once, after the last micro-batch
+            set_sync(k == num_micro - 1)
+        rows = ((ranks == rank) & (micro == k)).nonzero()[0]
+        if len(rows) == 0:
+            share = _dummy_loss(model)
+        else:
+            share, metrics = _micro_loss(model, batch.take(rows), obj, step_tokens, step_seqs)
+            parts.append(metrics)
+        (share * world_size).backward()
+        total += float(share.detach())
+    return total, parts
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   grad_clip: float | None) -> float:
+    """Clip the global grad norm (all ranks), step, zero grads; returns the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(full)
+
+
+def reduce_metrics(parts: list[dict[str, float]], keys: list[str]) -> dict[str, float]:
+    """Merge micro-batch metrics on this rank, then across ranks by each key's reduction.
+
+    Ranks without a valid token contribute nothing to means, maxima or minima.
+    """
+    local = merge_token_metrics(parts) if parts else {}
+    count = local.get("tokens/count", 0.0)
+    values = []
+    for key in keys:
+        v = local.get(key, 0.0)
+        if key.endswith("max"):
+            values.append(v if count else -math.inf)
+        elif key.endswith("min"):
+            values.append(-v if count else -math.inf)
+        else:
+            values.append(v if key.endswith(("count", "sum")) else v * count)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    is_max = torch.tensor([k.endswith(("max", "min")) for k in keys])
+    summed, maxed = tensor.where(~is_max, 0.0), tensor.where(is_max, -math.inf)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(summed)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    total = float(summed[keys.index("tokens/count")]) if "tokens/count" in keys else 0.0
+    out = {}
+    for i, key in enumerate(keys):
+        if key.endswith(("max", "min")):
+            v = float(maxed[i]) if math.isfinite(float(maxed[i])) else 0.0
+            out[key] = -v if key.endswith("min") else v
+        else:
+            out[key] = float(summed[i]) if key.endswith(("count", "sum")) else float(summed[i]) / max(total, 1.0)
+    return out
+
+
+def metric_keys(obj: ObjectiveConfig) -> list[str]:
+    """The metric keys a micro-batch yields under ``obj`` (identical on every rank)."""
+    zeros, mask = torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.bool)
+    corr = obj.correction.compute(zeros, zeros, mask)
+    pl = obj.policy_loss.compute(zeros, zeros, zeros, mask)
+    return sorted(policy_step_metrics(mask, zeros, pl, corr, zeros, zeros, zeros if obj.kl else None))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: pa.RecordBatch,
+               obj: ObjectiveConfig, optim_cfg: OptimConfig, version: int) -> StepResult:
+    """One optimizer step on this rank's rows of ``batch`` (module docstring, steps 2-3).
+
+    ``version`` is the number of optimizer steps already taken (sets the lr). The
+    caller checks staleness first (`check_staleness`).
+    """
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    lr = set_lr(optimizer, version, optim_cfg)
+    local_loss, parts = accumulate(model, batch, obj, rank, world_size)
+    loss = torch.tensor([local_loss], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(loss)
+    grad_norm = optimizer_step(model, optimizer, optim_cfg.grad_clip)
+    metrics = reduce_metrics(parts, metric_keys(obj))
+    num_tokens = sum(len(t) for t in batch.column("token_ids").to_pylist())
+    return StepResult(float(loss), grad_norm, lr, num_tokens, metrics)
+
+
+STEP_SCHEMA = make_schema([
+    pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step just taken, from 0"}),
+    pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the weights now (step + 1)"}),
+    pa.field("num_rows", pa.int64(), metadata={b"doc": b"rows trained in the step"}),
+    pa.field("num_tokens", pa.int64(), metadata={b"doc": b"tokens forwarded (prompt + completion)"}),
+    pa.field("num_loss_tokens", pa.int64(), metadata={b"doc": b"loss_mask tokens of the step"}),
+    pa.field("loss", pa.float64(), metadata={b"doc": b"step loss (sum of every micro-batch share)"}),
+    pa.field("grad_norm", pa.float64(), metadata={b"doc": b"global grad L2 norm before clipping"}),
+    pa.field("lr", pa.float64(), metadata={b"doc": b"learning rate of the step"}),
+    pa.field("reward_mean", pa.float64(), metadata={b"doc": b"mean reward of the step's rows (0 if none)"}),
+    pa.field("max_lag", pa.int32(), metadata={b"doc": b"largest version lag of a generated token"}),
+    pa.field("step_seconds", pa.float64(), metadata={b"doc": b"wall time of the step (s)"}),
+], "train_step")

@@ -1,0 +1,116 @@
+"""Pack: gathers exactly ``groups_per_step`` prompt groups per optimizer step and
+places their rows on data-parallel ranks and micro-batches (DESIGN §8).
+
+Input: trajectory batches holding whole groups (from an advantage stage; a batch may
+hold several groups, a group never spans batches). Output: ONE record batch per
+step, rows ordered by (dp_rank, micro_batch), every input column passed through plus:
+
+    step              int32  optimizer step this row trains in (0, 1, ...)
+    dp_rank           int32  data-parallel rank that trains the row
+    micro_batch       int32  micro-batch index on that rank; every rank has the same
+                             number M = max(micro_batch) + 1 of micro-batches (a rank
+                             may have an empty one: the trainer runs a zero-loss dummy)
+    step_loss_tokens  int64  the step's loss_mask tokens over all ranks (loss denominator)
+    step_loss_seqs    int64  the step's rows with >= 1 loss_mask token (seq-mean denominator)
+
+Rows whose loss_mask is all false are trained (they count in the token budget) and
+add 0 to both denominators, as molt.algorithms.aggregation counts them. Sequences
+are never split; see molt.train.packing for the balancing and filling rules.
+
+End of stream: a partial step (fewer than ``groups_per_step`` groups) is dropped and
+counted (``groups_dropped``), unless ``flush_partial: true`` trains it as a smaller
+step. Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
+
+    pack: {class: stages.pack.Pack, config: {groups_per_step: 8, world_size: 2,
+           max_tokens_per_micro_batch: 4096}}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field
+
+from molt.columns import row_lengths
+from molt.stage import Port, Service, StageConfig
+from molt.train.packing import plan_step
+from molt.transport import Barrier
+
+STEP_FIELDS = (
+    pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step this row trains in"}),
+    pa.field("dp_rank", pa.int32(), metadata={b"doc": b"data-parallel rank that trains this row"}),
+    pa.field("micro_batch", pa.int32(), metadata={b"doc": b"micro-batch index on its rank"}),
+    pa.field("step_loss_tokens", pa.int64(), metadata={b"doc": b"loss_mask tokens of the whole step"}),
+    pa.field("step_loss_seqs", pa.int64(), metadata={b"doc": b"rows with >= 1 loss_mask token in the step"}),
+)
+
+
+class Pack(Service):
+    """Groups in, one placed step batch out per ``groups_per_step`` groups."""
+
+    class Config(StageConfig):
+        groups_per_step: int = Field(ge=1, description="prompt groups per optimizer step (= rollout's)")
+        world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage")
+        max_tokens_per_micro_batch: int = Field(4096, ge=1, description="token budget of one packed forward")
+        flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")
+
+    config: Config
+    inputs = {"in": Port(reads=("prompt_id", "sample_id", "token_ids", "loss_mask", "advantages"))}
+    outputs = {"out": Port(passes="in", writes=STEP_FIELDS)}
+
+    def setup(self) -> None:
+        self.groups: list[pa.RecordBatch] = []  # one batch per pending group, in arrival order
+        self.step = 0
+
+    async def run(self) -> None:
+        while (item := await self.recv("in")) is not None:
+            # 1) receive  2) split into groups  3) emit every complete step
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+                continue
+            self.groups += split_groups(item)
+            while len(self.groups) >= self.config.groups_per_step:
+                take, self.groups = self.groups[:self.config.groups_per_step], self.groups[self.config.groups_per_step:]
+                await self.send("out", self.place(take))
+        # 4) end of stream: the partial step
+        if self.groups and self.config.flush_partial:
+            self.log.info("end of stream: training a partial step of %d groups", len(self.groups))
+            await self.send("out", self.place(self.groups))
+        elif self.groups:
+            self.log.warning("end of stream: dropping %d groups of a partial step (flush_partial: false)",
+                             len(self.groups))
+            self.metrics.count("groups_dropped", len(self.groups))
+        self.metrics.flush_counters()
+
+    def place(self, groups: list[pa.RecordBatch]) -> pa.RecordBatch:
+        """One step batch of ``groups``, with the step columns, ordered by rank and micro-batch."""
+        batch = pa.Table.from_batches(groups).combine_chunks().to_batches()[0]
+        lengths = row_lengths(batch, "token_ids")
+        plan = plan_step(lengths.tolist(), self.config.world_size, self.config.max_tokens_per_micro_batch)
+        if (over := int(lengths.max(initial=0))) > self.config.max_tokens_per_micro_batch:
+            self.log.warning("a row of %d tokens exceeds max_tokens_per_micro_batch %d; it is trained alone",
+                             over, self.config.max_tokens_per_micro_batch)
+        mask_counts = np.array([sum(m) for m in batch.column("loss_mask").to_pylist()], np.int64)
+        n = batch.num_rows
+        columns = [np.full(n, self.step, np.int32), np.array(plan.dp_rank, np.int32),
+                   np.array(plan.micro_batch, np.int32), np.full(n, int(mask_counts.sum()), np.int64),
+                   np.full(n, int((mask_counts > 0).sum()), np.int64)]
+        for f, values in zip(STEP_FIELDS, columns):
+            batch = batch.append_column(f, pa.array(values, f.type))
+        order = np.lexsort((np.array(plan.micro_batch), np.array(plan.dp_rank)))
+        self.metrics.log({"step": self.step, "groups": len(groups), "rows": n, "tokens": int(lengths.sum()),
+                          "loss_tokens": int(mask_counts.sum()), "micro_batches": plan.num_micro_batches},
+                         step=self.step)
+        self.step += 1
+        return batch.take(pa.array(order))
+
+
+def split_groups(batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+    """The rows of each ``prompt_id``, one batch per group, in order of first appearance.
+
+    Example: prompt_id [a, a, b, a] -> [rows 0, 1, 3], [row 2].
+    """
+    ids = batch.column("prompt_id")
+    order = list(dict.fromkeys(ids.to_pylist()))
+    return [batch.filter(pc.equal(ids, pid)) for pid in order]

@@ -1,0 +1,133 @@
+"""Train: one FSDP2 optimizer step of the policy per packed step batch (DESIGN §8).
+
+Runs as a torchrun group (``world_size: N``): rank 0 receives each step batch from
+the pack stage and every rank sees it; each rank trains the rows the pack stage
+placed on it (``dp_rank``), micro-batch by micro-batch, with the loss selected in
+YAML (molt.train.step: policy loss, off-policy correction, optional KL,
+aggregation over the step's global token count), then AdamW with clipping and a
+warmup/decay schedule. Before a step, every generated token's ``policy_version`` is
+checked against ``max_staleness``; a violation stops the run naming the sample.
+
+After each step it logs one line (``step 12  loss 0.41  reward 0.62  tok/s 812  lag 1
+...``), writes policy metrics (molt.algorithms.metrics, merged over micro-batches
+and ranks) and sends a one-row step record (molt.train.step.STEP_SCHEMA) on ``out``
+for the fused broadcast stage. Stages fused into it get the model through
+molt.train.handoff; the next step waits for their acknowledgement, so every rank
+runs its collectives in the same order.
+
+    train:
+      class: stages.train.Train
+      world_size: 2
+      config: {model: smollm2-135m-instruct, temperature: 1.0, max_staleness: 1,
+               policy_loss: {type: ppo, clip_high: 0.28}, optim: {lr: 1.0e-6}}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from molt.schema import batch_from_rows
+from molt.stage import Port, Service, StageConfig
+from molt.train.handoff import drop_handle, policy_handle
+from molt.train.model import load_policy, shard_policy
+from molt.train.optim import OptimConfig, make_optimizer
+from molt.train.step import STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_staleness, train_step
+from molt.transport import Barrier
+
+PACK_READS = (pa.field("step", pa.int32()), pa.field("dp_rank", pa.int32()), pa.field("micro_batch", pa.int32()),
+              pa.field("step_loss_tokens", pa.int64()), pa.field("step_loss_seqs", pa.int64()))
+
+
+class Train(Service):
+    """Step batches in, one step record out per optimizer step."""
+
+    class Config(StageConfig, ObjectiveConfig):
+        model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
+        temperature: float = Field(gt=0, description="sampling temperature of the rollout (must be equal)")
+        max_staleness: int | None = Field(None, ge=0, description="refuse older tokens; None = unchecked")
+        compute_dtype: Literal["float32", "bfloat16"] = Field(
+            "float32", description="FSDP2 compute dtype; master weights, reduction and AdamW stay fp32")
+        device: str = Field("cpu", description="cpu (gloo) or cuda (nccl, unverified)")
+        chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
+        seed: int = 0
+        optim: OptimConfig = Field(default_factory=OptimConfig)
+
+    config: Config
+
+    @classmethod
+    def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
+        assert isinstance(config, cls.Config)
+        reads = STEP_READS + PACK_READS + (("ref_logprobs",) if config.kl is not None else ())
+        return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA)}
+
+    def setup(self) -> None:
+        from molt.models import resolve_model
+
+        c = self.config
+        if c.kl is not None and c.kl.apply_to != "loss":
+            raise ValueError(f"stages.{self.ctx.stage_id}.config.kl.apply_to: the train stage applies a KL "
+                             f"term to the loss only; got {c.kl.apply_to!r}; hint: fold KL into the reward "
+                             "before the advantage stage")
+        torch.manual_seed(c.seed)
+        model = load_policy(resolve_model(c.model), c.temperature, c.chunk_tokens)
+        self.model = shard_policy(model, c.compute_dtype, c.device)
+        self.optimizer = make_optimizer(list(self.model.parameters()), c.optim)
+        self.version = 0  # optimizer steps taken
+        self.handle = policy_handle(self.ctx.stage_id)
+        self.handle.model = self.model
+
+    async def run(self) -> None:
+        while (item := await self.recv("in")) is not None:
+            if isinstance(item, Barrier):
+                await self.barrier(item.step)
+                continue
+            # 1) check  2) step  3) send the step record  4) wait for fused consumers
+            record = self.step(item)
+            await self.send("out", record)
+            await self.handle.wait_acked(self.version - 1)
+
+    def step(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Train one step batch; returns the step record."""
+        start = time.monotonic()
+        expected = batch.column("step")[0].as_py()
+        if expected != self.version:
+            raise ValueError(f"stage {self.ctx.stage_id!r}: column 'step' is {expected} but the trainer is at "
+                             f"version {self.version}; hint: one pack stage feeds one train stage from step 0")
+        lag = check_staleness(batch, self.version, self.config.max_staleness)
+        result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
+        self.version += 1
+        seconds = time.monotonic() - start
+        reward = _mean_reward(batch)
+        self._report(result, reward, lag, seconds)
+        return batch_from_rows([{
+            "step": self.version - 1, "policy_version": self.version, "num_rows": batch.num_rows,
+            "num_tokens": result.num_tokens, "num_loss_tokens": int(result.metrics.get("tokens/count", 0)),
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "reward_mean": reward,
+            "max_lag": lag, "step_seconds": seconds}], STEP_SCHEMA)
+
+    def _report(self, result: StepResult, reward: float, lag: int, seconds: float) -> None:
+        tok_s = result.num_tokens / max(seconds, 1e-9)
+        if self.ctx.rank == 0:
+            self.log.info("step %d  loss %.4f  reward %.3f  tok/s %.0f  lag %d  grad_norm %.3f  lr %.2e  "
+                          "clip %.3f  time %.1fs", self.version - 1, result.loss, reward, tok_s, lag,
+                          result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0)
+                          + result.metrics.get("clip/low_frac", 0.0), seconds)
+        self.metrics.log({**result.metrics, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                          "reward/mean": reward, "lag/max": lag, "tokens_per_s": tok_s, "step_seconds": seconds,
+                          "policy_version": self.version}, step=self.version - 1)
+
+    def close(self) -> None:
+        drop_handle(self.ctx.stage_id)
+
+
+def _mean_reward(batch: pa.RecordBatch) -> float:
+    """Mean ``reward`` of the rows (0.0 without the column or rows)."""
+    if "reward" not in batch.schema.names or batch.num_rows == 0:
+        return 0.0
+    values = [v for v in batch.column("reward").to_pylist() if v is not None]
+    return sum(values) / max(len(values), 1)

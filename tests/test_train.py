@@ -1,0 +1,205 @@
+"""Trainer: packed logprobs, split invariance, world size 1 vs 2, staleness, export, the RL loop."""
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+import torch
+
+from molt.recording import read_batches
+from molt.schema import batch_from_rows
+from molt.stage import StageContext
+from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state_dict, train_step
+from molt.train.logprobs import target_logprobs
+from molt.train.model import load_policy, shard_policy
+from molt.train.optim import make_optimizer
+from molt.train.packing import pack_sequences
+from stages.pack import Pack
+from tests.conftest import SINK, run_spec
+from tests.test_pack import SCHEMA
+
+TEMPERATURE = 0.8
+OPTIM = OptimConfig(lr=1e-2, eps=1e-3, grad_clip=1.0)  # large eps: an update smooth in the gradient
+OBJECTIVE = ObjectiveConfig.model_validate({"policy_loss": {"type": "ppo", "clip_high": 0.28},
+                                            "correction": {"type": "tis", "cap": 2.0}})
+
+
+def random_groups(num_groups=4, per_group=2, seed=0, version=0):
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(num_groups):
+        rows = []
+        for k in range(per_group):
+            n, gen_len = int(torch.randint(6, 14, (1,), generator=gen)), int(torch.randint(0, 5, (1,), generator=gen))
+            mask = [False] * (n - gen_len) + [True] * gen_len
+            rows.append({"sample_id": f"p{g}/{k}", "prompt_id": f"p{g}", "rollout_id": f"p{g}/{k}",
+                         "token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist(), "loss_mask": mask,
+                         "rollout_logprobs": [-10.8 + 0.3 * float(torch.randn(1, generator=gen)) if m else 0.0
+                                              for m in mask],
+                         "policy_version": [version if m else -1 for m in mask],
+                         "advantages": [(1.0 - 2 * (k % 2)) * (g + 1) / 4 if m else 0.0 for m in mask],
+                         "reward": float(k % 2 == 0)})
+        groups.append(batch_from_rows(rows, SCHEMA))
+    return groups
+
+
+def step_batch(groups, world_size=1, max_tokens=4096):
+    pack = Pack(Pack.Config(groups_per_step=len(groups), world_size=world_size,
+                            max_tokens_per_micro_batch=max_tokens), StageContext("pack"))
+    pack.setup()
+    return pack.place(groups)
+
+
+def train_once(model_dir, batch, compute_dtype="float32"):
+    torch.manual_seed(0)
+    model = shard_policy(load_policy(model_dir, TEMPERATURE, chunk_tokens=5), compute_dtype)
+    optimizer = make_optimizer(list(model.parameters()), OPTIM)
+    result = train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)
+    return result, full_state_dict(model)
+
+
+def test_a_packed_row_gives_the_same_logprobs_as_the_row_alone(tiny_chat_model):
+    model = load_policy(tiny_chat_model, TEMPERATURE, chunk_tokens=4)
+    a, b = list(range(100, 109)), list(range(300, 306))
+    both = pack_sequences([a, b])
+    alone = pack_sequences([b])
+    with torch.no_grad():
+        packed_b = model(both.input_ids, both.position_ids)[len(a):]
+        alone_b = model(alone.input_ids, alone.position_ids)
+        logits = model.lm(input_ids=alone.input_ids).logits[0, :-1].float() / TEMPERATURE
+    reference = torch.log_softmax(logits, -1).gather(-1, alone.input_ids[0, 1:, None])[:, 0]
+    assert packed_b[0] == 0.0 and alone_b[0] == 0.0, "a row's first token has no prediction"
+    torch.testing.assert_close(packed_b, alone_b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(alone_b[1:], reference, atol=1e-5, rtol=0)
+
+
+def test_chunked_logprobs_match_full_vocab_autograd_in_value_and_gradient():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 5, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    upstream = torch.randn(7, generator=gen)
+    ours = target_logprobs(hidden, weight, targets, 0.7, chunk_tokens=3)
+    (ours * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad, weight.grad = None, None
+    ref = torch.log_softmax(hidden @ weight.t() / 0.7, -1).gather(-1, targets[:, None])[:, 0]
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grads, (hidden.grad, weight.grad))
+    with pytest.raises(ValueError, match="temperature"):
+        target_logprobs(hidden, weight, targets, 0.0)
+
+
+def test_one_two_or_four_micro_batches_give_the_same_loss_and_weights(tiny_chat_model):
+    groups = random_groups()
+    results = []
+    for max_tokens in (4096, 45, 25):
+        batch = step_batch(groups, max_tokens=max_tokens)
+        results.append((int(max(batch.column("micro_batch").to_pylist())) + 1, *train_once(tiny_chat_model, batch)))
+    assert [r[0] for r in results] == [1, 2, 4]
+    (_, base, base_w), others = results[0], results[1:]
+    assert base.loss != 0.0 and base.grad_norm > 0
+    for _, result, weights in others:
+        assert result.loss == pytest.approx(base.loss, rel=1e-5, abs=1e-7)
+        assert result.grad_norm == pytest.approx(base.grad_norm, rel=1e-4)
+        for name, tensor in base_w.items():
+            torch.testing.assert_close(weights[name], tensor, atol=2e-6, rtol=0)
+
+
+def _rank_main(rank, world_size, model_dir, batch_bytes, out_path, init_file):
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    batch = pa.ipc.open_stream(batch_bytes).read_next_batch()
+    result, weights = train_once(model_dir, batch)
+    if rank == 0:
+        save_file(weights, out_path, metadata={"loss": repr(result.loss)})
+    dist.destroy_process_group()
+
+
+def test_world_size_two_gives_the_same_update_as_world_size_one(tiny_chat_model, tmp_path):
+    from safetensors import safe_open
+
+    groups = random_groups(seed=1)
+    base, base_w = train_once(tiny_chat_model, step_batch(groups, max_tokens=30))
+    batch = step_batch(groups, world_size=2, max_tokens=30)
+    assert set(batch.column("dp_rank").to_pylist()) == {0, 1}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    out = tmp_path / "ws2.safetensors"
+    torch.multiprocessing.spawn(_rank_main, args=(2, str(tiny_chat_model), sink.getvalue().to_pybytes(), str(out),
+                                                  str(tmp_path / "init")), nprocs=2, join=True)
+    with safe_open(str(out), "pt") as handle:
+        assert float(handle.metadata()["loss"]) == pytest.approx(base.loss, rel=1e-5)
+        for name, tensor in base_w.items():
+            torch.testing.assert_close(handle.get_tensor(name), tensor, atol=2e-6, rtol=0)
+
+
+def test_a_stale_token_is_refused_naming_its_sample():
+    batch = step_batch(random_groups(num_groups=2, version=1))
+    assert check_staleness(batch, version=2, max_staleness=1) == 1
+    with pytest.raises(ValueError, match=r"sample 'p\d/\d' .* 2 steps behind .* max_staleness is 1"):
+        check_staleness(batch, version=3, max_staleness=1)
+
+
+def test_the_export_has_exactly_the_model_folders_names_and_loads_into_the_engine(tiny_chat_model, tmp_path):
+    import asyncio
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from molt.engines.hf import TransformersEngine
+    from molt.engines.weights import file_digests, verify_refit
+
+    _, weights = train_once(tiny_chat_model, step_batch(random_groups()))
+    with safe_open(str(tiny_chat_model / "model.safetensors"), "pt") as handle:
+        assert set(weights) == set(handle.keys()) and "lm_head.weight" not in weights
+    path = str(tmp_path / "v1.safetensors")
+    save_file(weights, path)
+    engine = TransformersEngine(str(tiny_chat_model))
+    asyncio.run(engine.load_weights(path, 1))
+    verify_refit(1, file_digests(path), engine.last_weight_digests)
+
+
+def rl_pipeline(model, world_size):
+    return {"name": "rl", "stop_timeout_s": 10, "stages": {
+        "source": {"class": "stages.dataset_source.DatasetSource",
+                   "config": {"task": {"type": "arithmetic", "num_problems": 4}, "prompts_per_batch": 2}},
+        "rollout": {"class": "stages.rollout.Rollout", "config": {
+            "model": str(model), "engine": {"type": "transformers"}, "group_size": 2, "max_new_tokens": 4,
+            "seed": 1, "temperature": 1.0, "weights_input": True, "max_staleness": 1, "groups_per_step": 2}},
+        "reward": {"class": "stages.reward.Reward"},
+        "shape": {"class": "tests.doubles.stages.HashReward"},
+        "advantage": {"class": "stages.group_advantage.GroupAdvantage"},
+        "pack": {"class": "stages.pack.Pack", "config": {"groups_per_step": 2, "world_size": world_size,
+                                                         "max_tokens_per_micro_batch": 128}},
+        "train": {"class": "stages.train.Train", "world_size": world_size, "config": {
+            "model": str(model), "temperature": 1.0, "max_staleness": 1, "optim": {"lr": 1e-3}}},
+        "broadcast": {"class": "stages.broadcast.Broadcast", "colocate_with": "train"},
+        "sink": {"class": SINK}},
+        "edges": [{"from": "source", "to": "rollout.in"}, {"from": "rollout", "to": "reward"},
+                  {"from": "reward", "to": "shape"},
+                  {"from": "shape", "to": "advantage"}, {"from": "advantage", "to": "pack"},
+                  {"from": "pack", "to": "train"}, {"from": "train", "to": "broadcast"},
+                  {"from": "broadcast.out", "to": "sink", "record": True},
+                  {"from": "broadcast.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]}
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_rl_loop_trains_publishes_and_refits_through_the_real_runner(
+        tiny_chat_model, tmp_path, world_size, no_orphans):
+    before = {p for p in os.listdir("/dev/shm") if p.startswith("molt-weights-")}
+    code, summary = run_spec(rl_pipeline(tiny_chat_model, world_size), tmp_path / "run")
+    assert code == 0, summary.get("error")
+    steps = [r for b in read_batches(tmp_path / "run" / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    assert [r["step"] for r in steps] == [0, 1] and [r["policy_version"] for r in steps] == [1, 2]
+    assert all(r["max_lag"] <= 1 and r["num_rows"] == 4 and r["grad_norm"] > 0 for r in steps)
+    assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"
+    log = (tmp_path / "run" / "logs" / "train.0.log").read_text()
+    assert "step 1  loss" in log and "tok/s" in log
+    assert {p for p in os.listdir("/dev/shm") if p.startswith("molt-weights-")} <= before, "weight files removed"
+    assert json.loads((tmp_path / "run" / "status" / "sink.0.json").read_text())["state"] == "done"
