@@ -149,3 +149,26 @@ def test_an_empty_prompt_fails_its_rollout_with_a_clear_error(tiny_chat_model, c
     engine = TransformersEngine(str(tiny_chat_model))
     with pytest.raises(AgentError, match=r"task has neither 'messages' nor 'prompt'"):
         asyncio.run(run_episode(engine, chat, SingleTurn(), {"messages": []}, SamplingParams(), "r3"))
+
+
+def test_a_corrupted_refit_is_detected_naming_the_tensor(tiny_chat_model, tmp_path):
+    """The engine digests what its loader consumed; a record whose digests differ
+    (here: the trainer 'exported' a different down_proj) stops the refit."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from molt.engines.weights import apply_weight_record, file_digests
+
+    weights = load_file(str(tiny_chat_model / "model.safetensors"))
+    sent = file_digests(str(tiny_chat_model / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = torch.zeros_like(weights[name])  # what reaches the engine differs from what was sent
+    save_file(weights, str(tmp_path / "corrupt.safetensors"))
+    record = {"policy_version": 1, "uri": f"file://{tmp_path / 'corrupt.safetensors'}",
+              "tensor_names": list(sent), "tensor_digests": list(sent.values())}
+    engine = TransformersEngine(str(tiny_chat_model))
+    with pytest.raises(RuntimeError, match=rf"refit to version 1 is not verified: 1 tensor\(s\) differ.*{name}"):
+        asyncio.run(apply_weight_record(engine, record))
+    good = {**record, "uri": f"file://{tiny_chat_model / 'model.safetensors'}", "policy_version": 2}
+    assert asyncio.run(apply_weight_record(engine, good)) and engine.policy_version == 2
+    assert not asyncio.run(apply_weight_record(engine, {**good, "policy_version": 2})), "an old version is skipped"
