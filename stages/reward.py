@@ -5,7 +5,8 @@ there by the rollout stage for grading only; it never feeds training) and
 ``answer`` (put there by the dataset source). The grader is chosen by
 ``grader.type`` (:mod:`molt.graders`: ``math`` extracts ``\\boxed{}``, ``#### N`` or
 the last number and compares by value; ``exact`` compares strings).
-Logs ``score_mean`` and ``no_answer_fraction`` (completions with no answer found).
+Logs ``score_mean`` and ``no_answer_fraction`` (completions with no answer found),
+both over every row graded so far.
 Example: answers ["57", "12"], completions ["It is 57.", "no idea"] -> score
 [1.0, 0.0], score_mean 0.5, no_answer_fraction 0.5.
 
@@ -36,6 +37,9 @@ class Reward(Transform):
     outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=("score",))}
     config: Config
 
+    def setup(self) -> None:
+        self.totals = [0.0, 0.0, 0.0]  # sum of scores, answers not found, rows graded
+
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         # 1) read each row's metadata  2) grade  3) add score  4) report
         ids = (batch.column("sample_id").to_pylist() if "sample_id" in batch.schema.names
@@ -43,9 +47,11 @@ class Reward(Transform):
         grades = [self._grade(meta, sid, i) for i, (meta, sid) in
                   enumerate(zip(batch.column("metadata").to_pylist(), ids))]
         scores = [g.score for g in grades]
-        if grades:
-            self.metrics.log({"score_mean": sum(scores) / len(scores),
-                              "no_answer_fraction": sum(g.extracted is None for g in grades) / len(grades)})
+        self.totals = [t + x for t, x in zip(self.totals, (sum(scores), sum(g.extracted is None for g in grades),
+                                                            len(grades)))]
+        if self.totals[2]:  # over every row graded so far
+            self.metrics.log({"score_mean": self.totals[0] / self.totals[2],
+                              "no_answer_fraction": self.totals[1] / self.totals[2]})
         return batch.append_column(COLUMNS["score"], pa.array(scores, pa.float32()))
 
     def _grade(self, metadata: str | None, sample_id: str | None, row: int) -> Grade:

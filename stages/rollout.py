@@ -1,25 +1,23 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON with ``messages``, ``answer``, ...) come
-in on ``in``; each becomes ``group_size`` concurrent episodes of the configured
-``env`` (default :class:`molt.agents.SingleTurn`) or ``agent`` (a ChatAgent using
-the OpenAI SDK, :mod:`molt.agents.openai_server`) on one engine (vLLM by default).
-Token ids, logprobs and versions go from the engine to the record untouched; the
-last turn's decoded text goes to ``metadata.completion_text`` for graders only.
+Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on
+``in``; each becomes ``group_size`` concurrent episodes of the ``env`` (default
+:class:`molt.agents.SingleTurn`) or ``agent`` (OpenAI SDK code, :mod:`molt.agents.openai_server`)
+on one engine (vLLM by default). Token ids, logprobs and versions go from the engine
+to the record untouched; ``metadata.completion_text`` (last turn, decoded) is for graders.
 
-Admission control (DESIGN §4): group ``i`` (counted from 0) is trained in step
-``i // groups_per_step`` or earlier, and its tokens carry versions >= the engine's
-version when it starts, so it starts only when
-``engine_version >= i // groups_per_step - max_staleness``. Example: 2 groups per
-step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version 1.
+Admission control (DESIGN §4): group ``i`` is trained in step ``i // groups_per_step``
+or earlier with tokens no older than the engine's version when it starts, so it starts
+only when ``engine_version >= i // groups_per_step - max_staleness``. Example: 2 groups
+per step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version 1.
 
 Refit: with ``weights_input: true``, each weight-version record on ``weights`` is
 loaded into the engine (in-flight sequences continue on the new version) and every
 tensor's digest is verified; a mismatch stops the run naming the tensors.
 
-Failures: an env or agent that raises, or a prompt over the context window, fails
-its rollout: counted (``rollouts_failed``), logged, not emitted; ``group_size``
-stays the number started. Engine errors stop the stage.
+Failures: an env or agent that raises, or a prompt over the context window, fails its
+rollout: counted (``rollouts_failed``), logged, not emitted; ``group_size`` stays the
+number started. If every rollout fails, or the engine fails, the stage fails.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ class Rollout(Service):
         seed: int | None = Field(None, description="per-request seeds (transformers engine only)")
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
         agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
-        max_turns: int = Field(1, ge=1)
+        max_turns: int = Field(1, ge=1, description="policy turns per rollout (env/agent); more is cut")
         max_concurrent_groups: int = Field(8, ge=1)
         max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
         groups_per_step: int = Field(8, ge=1, description="groups the trainer takes per step")
@@ -68,11 +66,11 @@ class Rollout(Service):
     @classmethod
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
         assert isinstance(config, cls.Config)
-        inputs = {"in": Port(reads=("prompt_id", "metadata"))}
-        if config.weights_input:
-            inputs["weights"] = Port()
+        inputs = {"in": Port(reads=("prompt_id", "metadata")), **({"weights": Port()} if config.weights_input else {})}
         if config.env and config.agent:
             raise ValueError("stages.rollout.config: set env or agent, not both; got both")
+        for key in (k for k in ("env", "agent") if getattr(config, k)):  # a typo fails at load
+            import_class(getattr(config, key), f"stages.rollout.config.{key}")
         writes = WRITES + (("score",) if config.env or config.agent else ())
         return inputs, {"out": Port(writes=writes)}
 
@@ -94,6 +92,8 @@ class Rollout(Service):
         _, outputs = self.ports(c)
         self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
         self.num_groups = 0  # groups admitted so far
+        if (c.env or c.agent) and c.max_turns == 1:
+            self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
         self.first_admit_s: float | None = None
 
     async def run(self) -> None:
@@ -133,6 +133,9 @@ class Rollout(Service):
         self._log_throughput()
 
     def _log_throughput(self) -> None:
+        failed = self.metrics.counters.get("rollouts_failed", 0)
+        if failed and not self.metrics.counters.get("rows_out"):
+            raise RuntimeError(f"every rollout failed ({failed:.0f}); see the warnings above for their errors")
         if self.first_admit_s is not None:
             seconds = time.monotonic() - self.first_admit_s
             tokens = self.metrics.counters.get("tokens_generated", 0.0)
@@ -155,14 +158,12 @@ class Rollout(Service):
                         (json.loads(m) if m else {} for m in item.column("metadata").to_pylist())))
 
     async def _send_done(self, batches: list[pa.RecordBatch | None]) -> None:
-        for batch in batches:
-            if batch is not None:
-                await self.send("out", batch)
+        for batch in (b for b in batches if b is not None):
+            await self.send("out", batch)
 
     async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> pa.RecordBatch | None:
         """Run ``group_size`` episodes of one prompt; rows of the successful ones."""
-        n, start = self.config.group_size, time.monotonic()
-        ids = [f"{prompt_id}#{index}/{k}" for k in range(n)]
+        start, ids = time.monotonic(), [f"{prompt_id}#{index}/{k}" for k in range(self.config.group_size)]
         results = await asyncio.gather(*(self._episode(task, rid) for rid in ids), return_exceptions=True)
         rows = []
         for rid, ep in zip(ids, results):
@@ -173,8 +174,7 @@ class Rollout(Service):
                 raise ep
             else:
                 rows += episode_rows(ep, prompt_id, rid, task, self.config.group_size, "score" in self.schema.names)
-        generated = sum(sum(r["loss_mask"]) for r in rows)
-        self.metrics.count("tokens_generated", generated)
+        self.metrics.count("tokens_generated", sum(sum(r["loss_mask"]) for r in rows))
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
         return batch_from_rows(rows, self.schema) if rows else None
 
@@ -194,7 +194,6 @@ class Rollout(Service):
             self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
-        if getattr(self, "server", None) is not None:
-            self.server.executor.shutdown(wait=False, cancel_futures=True)
-        if getattr(self, "engine", None) is not None:
-            self.engine.close()
+        for part in (getattr(self, "server", None), getattr(self, "engine", None)):
+            if part is not None:
+                part.close()

@@ -71,3 +71,22 @@ def test_a_chat_agent_runs_in_the_rollout_stage(tiny_chat_model, tmp_path, no_or
     rows = [r for b in read_batches(tmp_path / "run" / "record" / "rollout.out--sink.in") for r in b.to_pylist()]
     assert len(rows) == 18 and all(r["score"] == 1.0 for r in rows)
     assert all(r["token_ids"].count(1) >= 5 for r in rows), "system, user, assistant x3 turns: <|im_start|> each"
+
+
+def test_sampling_settings_the_rollout_would_not_record_are_refused(tiny_chat_model, chat):
+    from tests.doubles.agents import TopPAgent
+
+    with pytest.raises(AgentError, match=r"unsupported sampling settings \['top_p'\]"):
+        serve(tiny_chat_model, chat, TopPAgent())
+
+
+def test_responses_report_token_usage(tiny_chat_model, chat):
+    from molt.agents import ChatAgent
+
+    class Usage(ChatAgent):
+        def run(self, client, task):
+            reply = client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+            return float(reply.usage.completion_tokens)
+
+    ep, [c1] = serve(tiny_chat_model, chat, Usage())
+    assert ep.score == len(c1.token_ids)

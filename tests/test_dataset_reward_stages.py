@@ -111,11 +111,14 @@ def test_reward_logs_score_mean_and_the_no_answer_fraction(tmp_path):
     from molt.metrics import MetricsWriter
 
     s = Reward(Reward.Config(), StageContext("reward", metrics=MetricsWriter(tmp_path / "m.jsonl", "reward", 0)))
+    s.setup()
     s.process(reward_batch([{"answer": "57", "completion_text": "It is 57."},
                             {"answer": "12", "completion_text": "no idea"}]))
+    s.process(reward_batch([{"answer": "3", "completion_text": "3"}, {"answer": "4", "completion_text": "4"}]))
     s.metrics.close()
-    values = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["values"]
-    assert values == {"reward/score_mean": 0.5, "reward/no_answer_fraction": 0.5}
+    lines = [json.loads(line)["values"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines[0] == {"reward/score_mean": 0.5, "reward/no_answer_fraction": 0.5}
+    assert lines[1] == {"reward/score_mean": 0.75, "reward/no_answer_fraction": 0.25}, "over the whole run"
 
 
 def test_reward_names_the_sample_and_the_missing_key():

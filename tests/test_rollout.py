@@ -172,3 +172,35 @@ def test_a_corrupted_refit_is_detected_naming_the_tensor(tiny_chat_model, tmp_pa
     good = {**record, "uri": f"file://{tiny_chat_model / 'model.safetensors'}", "policy_version": 2}
     assert asyncio.run(apply_weight_record(engine, good)) and engine.policy_version == 2
     assert not asyncio.run(apply_weight_record(engine, {**good, "policy_version": 2})), "an old version is skipped"
+
+
+def test_an_env_that_neither_ends_nor_replies_fails_its_rollout(tiny_chat_model, chat):
+    from molt.agents import AgentError
+    from tests.doubles.stages import SilentEnv
+
+    engine = TransformersEngine(str(tiny_chat_model))
+    with pytest.raises(AgentError, match=r"env.step returned no observation without ending the episode"):
+        asyncio.run(run_episode(engine, chat, SilentEnv(), {"question": "hi"}, SamplingParams(max_new_tokens=2),
+                                "r4", max_turns=3))
+
+
+def test_an_episode_cut_by_max_turns_is_marked(tiny_chat_model, chat):
+    engine = TransformersEngine(str(tiny_chat_model))
+    ep = asyncio.run(run_episode(engine, chat, ScriptedEnv(), {"question": "hi"}, SamplingParams(max_new_tokens=2),
+                                 "r5", max_turns=2))
+    assert ep.finish_reason == "length" and ep.info == {"cut_by_max_turns": True}
+
+
+def test_a_run_where_every_rollout_fails_fails(tiny_chat_model, tmp_path, no_orphans):
+    spec = rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.AlwaysFailingEnv", max_turns=2)
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 1 and summary["failed_stage"] == "rollout.0"
+    assert "every rollout failed (18)" in summary["error"]
+
+
+def test_an_env_typo_fails_at_load(tiny_chat_model):
+    from molt.pipeline import Pipeline
+
+    with pytest.raises(ValueError, match=r"stages.rollout.config.env: module 'tests.doubles.stages' has no class "
+                                         r"'ScriptedEnvv'; did you mean 'ScriptedEnv'\?"):
+        Pipeline.from_spec(rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.ScriptedEnvv"))

@@ -90,10 +90,16 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
         result = _call_env(env.step, text, request_id)
         score, finish, info = result.reward, out.finish_reason, {**info, **result.info}
         if result.terminated or result.truncated or out.finish_reason == "abort" or turns == max_turns:
-            finish = "length" if result.truncated else finish
+            ended = result.terminated or result.truncated or out.finish_reason == "abort"
+            finish = "length" if result.truncated or not ended else finish
+            if not ended:
+                info["cut_by_max_turns"] = True
             break
+        if result.observation is None:
+            raise AgentError(f"request {request_id}: env.step returned no observation without ending the "
+                             "episode; hint: set terminated=True or give the next message")
         new = [result.observation if isinstance(result.observation, dict)
-               else {"role": "user", "content": str(result.observation or "")}]
+               else {"role": "user", "content": str(result.observation)}]
         try:
             seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop"))
         except ValueError:  # the template rewrote earlier turns: continue in a new segment

@@ -56,6 +56,7 @@ class ChatSession:
     finish_reason: str = "length"
     turns: int = 0
     last_text: str = ""
+    usage: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class ChatServer:
@@ -84,6 +85,10 @@ class ChatServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop taking agent work (idempotent); running agents finish on their own."""
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def run_episode(self, agent: ChatAgent, task: dict[str, Any], rollout_id: str) -> Episode:
@@ -120,7 +125,7 @@ class ChatServer:
         text = await self._turn(session, messages, body.get("max_tokens") or body.get("max_completion_tokens"))
         return web.json_response({
             "id": f"molt-{session.rollout_id}-{session.turns}", "object": "chat.completion", "created": 0,
-            "model": body.get("model", "molt"), "usage": None,
+            "model": body.get("model", "molt"), "usage": session.usage,
             "choices": [{"index": 0, "finish_reason": session.finish_reason, "logprobs": None,
                          "message": {"role": "assistant", "content": text}}]})
 
@@ -133,6 +138,10 @@ class ChatServer:
         if t is not None and t != self.params.temperature:
             return (f"temperature {t} differs from the rollout's {self.params.temperature}; hint: leave it "
                     "unset, or set it in the rollout stage's config")
+        unsupported = sorted(k for k in _SAMPLING_KEYS if body.get(k) not in (None, _SAMPLING_KEYS[k]))
+        if unsupported:
+            return (f"unsupported sampling settings {unsupported}; the rollout samples with temperature "
+                    f"{self.params.temperature} and records exactly that; hint: leave them unset")
         if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
             return "messages must have string contents"
         return "" if body.get("messages") else "messages is empty"
@@ -158,11 +167,19 @@ class ChatServer:
             raise web.HTTPBadRequest(text=f"context window of {self.max_total_tokens} tokens is full")
         session.turns += 1
         out = await self.engine.generate(f"{session.rollout_id}/t{session.turns}", seg.token_ids, dataclasses.replace(self.params, max_new_tokens=budget))
+        session.usage = {"prompt_tokens": len(seg.token_ids), "completion_tokens": len(out.token_ids),
+                         "total_tokens": len(seg.token_ids) + len(out.token_ids)}
         seg.extend_generated(out)
         # 3) answer with the decoded text; remember the conversation it ends
         session.last_text, session.finish_reason = self.chat.decode(out.token_ids), out.finish_reason
         session.messages = [*messages, {"role": "assistant", "content": session.last_text}]
         return session.last_text
+
+
+# Request settings that would change the sampled distribution, with their neutral values.
+_SAMPLING_KEYS: dict[str, Any] = {"top_p": 1, "top_k": -1, "min_p": 0, "stop": [], "seed": None,
+                                  "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+                                  "repetition_penalty": 1}
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -33,3 +33,11 @@ class HotAgent(ChatAgent):
     def run(self, client, task):
         client.chat.completions.create(model="policy", temperature=0.3, messages=[{"role": "user", "content": "x"}])
         return 1.0
+
+
+class TopPAgent(ChatAgent):
+    """Asks for nucleus sampling, which the rollout would not record faithfully."""
+
+    def run(self, client, task):
+        client.chat.completions.create(model="policy", top_p=0.5, messages=[{"role": "user", "content": "x"}])
+        return 1.0

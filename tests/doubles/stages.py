@@ -280,3 +280,17 @@ class HashReward(Transform):
 
         values = [float(zlib.crc32(s.encode()) % 2) for s in batch.column("sample_id").to_pylist()]
         return batch.append_column(COLUMNS["reward"], pa.array(values, pa.float32()))
+
+
+class SilentEnv(ScriptedEnv):
+    """Neither ends the episode nor says anything."""
+
+    def step(self, action: str):
+        from molt.agents import Result
+
+        return Result()
+
+
+class AlwaysFailingEnv(ScriptedEnv):
+    def step(self, action: str):
+        raise RuntimeError("tool server down")
