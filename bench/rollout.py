@@ -74,7 +74,7 @@ def main() -> None:
 
     chat = ChatTemplate(AutoTokenizer.from_pretrained(model))
     records = ArithmeticProblems(seed=0, num_records=args.prompts, split="train")
-    prompts = [chat.prompt_ids(r["messages"]) for r in records]
+    prompts = [chat.prompt_ids(records.record(i)["messages"]) for i in range(args.prompts)]
     base = baseline(model, prompts, args)
     ours = molt_rollout(model, args)
     print(f"LLM.generate {base:.1f} tok/s, molt rollout stage {ours:.1f} tok/s")
