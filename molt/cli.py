@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from molt.pipeline import Pipeline, apply_override
+from molt.config import apply_override
+from molt.pipeline import Pipeline
 
 
 def _interrupt(*_: Any) -> NoReturn:

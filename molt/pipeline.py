@@ -16,23 +16,22 @@ Everything is checked before any process starts: unknown keys and wrong types
 (with the file, the dotted path and the nearest valid key), stage ids, classes,
 each stage's typed config, dangling edges, undeclared cycles (only edges marked
 ``feedback: true`` may close one) and the columns each edge carries against the
-columns each consumer reads.
+columns each consumer reads. YAML loading, ``--set`` and error wording live in
+:mod:`molt.config`.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import re
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from molt.config import apply_override, import_class, load_yaml, validate
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 
@@ -125,14 +124,7 @@ class Pipeline:
             ValueError: naming the file and the dotted path of the first problem.
         """
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"{path}: pipeline file not found")
-        try:
-            data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a pipeline is a mapping with 'stages' and 'edges'")
+        data = load_yaml(path)
         for item in overrides or []:
             apply_override(data, item, str(path))
         source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
@@ -146,7 +138,7 @@ class Pipeline:
         """
         if isinstance(data, PipelineSpec):
             data = data.model_dump(by_alias=True)
-        spec = _validate(PipelineSpec, data, source, ())
+        spec = validate(PipelineSpec, data, source, ())
         stages = {sid: _build_stage(sid, s, source) for sid, s in spec.stages.items()}
         edges = [_build_edge(i, e, stages, source) for i, e in enumerate(spec.edges)]
         pipe = cls(spec, source, stages, edges)
@@ -205,103 +197,6 @@ class Pipeline:
         return "\n".join(lines)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML loader that refuses duplicate keys (which plain YAML silently overwrites)."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (stage ids must be unique)", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def apply_override(data: dict[str, Any], item: str, source: str) -> None:
-    """Apply one ``dotted.key=value`` override (value parsed as YAML) in place;
-    list items by index: ``edges.0.capacity=8`` or ``edges[0].capacity=8``.
-
-    Raises:
-        ValueError: the item has no ``=`` or walks through a non-mapping.
-    """
-    if "=" not in item:
-        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.source.config.num_groups=4")
-    key, value = item.split("=", 1)
-    parts = key.replace("[", ".").replace("]", "").split(".")
-    node: Any = data
-    for i, name in enumerate(parts):
-        part: str | int = name
-        if isinstance(node, list):
-            if not name.isdigit() or int(name) >= len(node):
-                raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])}: no such list index "
-                                 f"(the list has {len(node)} items)")
-            part = int(name)
-        elif not isinstance(node, dict):
-            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a mapping nor a list")
-        if i == len(parts) - 1:
-            node[part] = yaml.safe_load(value)
-        else:
-            node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
-
-
-def _validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = prefix + tuple(err["loc"])
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            known = _known_keys(model, tuple(err["loc"])[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close else f"; valid keys: {known}")
-        elif err["type"] != "missing":
-            msg += f"; got {err.get('input')!r}"
-        raise ValueError(f"{source}: {path}: {msg}") from None
-
-
-def _known_keys(model: Any, loc: tuple) -> list[str]:
-    """Field names (YAML spelling) of the model reached by walking ``loc``."""
-    for part in loc:
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            f = model.model_fields.get(str(part)) or next(
-                (v for v in model.model_fields.values() if v.alias == part), None)
-            model = f.annotation if f else None
-        else:
-            args = [a for a in typing.get_args(model) if a is not type(None)]
-            model = args[-1] if args else None
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return [f.alias or n for n, f in model.model_fields.items()]
-    return []
-
-
-def import_class(path: str, where: str) -> type:
-    """Import ``pkg.module.Class``.
-
-    Raises:
-        ValueError: naming ``where``, with the nearest existing name as a hint.
-    """
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{where}: {path!r} is not an import path like 'stages.my_stage.MyStage'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{where}: cannot import module {module_name!r}: {e}") from None
-    if not hasattr(module, attr):
-        close = difflib.get_close_matches(attr, dir(module), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{where}: module {module_name!r} has no class {attr!r}{hint}")
-    return getattr(module, attr)
-
-
 def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
     where = f"{source}: stages.{sid}"
     if not _ID.match(sid):
@@ -309,7 +204,7 @@ def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
     cls = s.class_ if isinstance(s.class_, type) else import_class(str(s.class_), f"{where}.class")
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise ValueError(f"{where}.class: {cls!r} is not a molt.stage.Stage subclass")
-    config = _validate(cls.Config, s.config, source, ("stages", sid, "config"))
+    config = validate(cls.Config, s.config, source, ("stages", sid, "config"))
     inputs, outputs = cls.ports(config)
     return StageNode(sid, cls, f"{cls.__module__}.{cls.__qualname__}", config, s.replicas,
                      s.world_size, s.colocate_with, inputs, outputs)

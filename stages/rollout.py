@@ -34,7 +34,7 @@ from molt.agents import AgentError, ChatServer, ChatTemplate, Env, Episode, Sing
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
-from molt.pipeline import import_class
+from molt.config import import_class
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
 from molt.transport import Barrier
