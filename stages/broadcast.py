@@ -19,7 +19,6 @@ passed on ``out`` (e.g. to a sink).
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import ClassVar
 import pyarrow as pa
 from pydantic import Field
 
-from molt.engines.weights import tensor_digest
+from molt.engines.weights import publish_weights
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.handoff import policy_handle
@@ -83,22 +82,12 @@ class Broadcast(Service):
         state = full_state_dict(self.handle.model)
         if self.folder is None:  # ranks > 0 only take part in the gather
             return None
-        from safetensors.torch import save_file
-
-        path = self.folder / f"policy_v{version}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "policy_version": str(version)})
-        os.replace(tmp, path)
-        self._prune(path)
-        digests = {name: tensor_digest(t) for name, t in state.items()}
-        num_bytes = sum(t.numel() * t.element_size() for t in state.values())
-        self.log.info("published version %d: %d tensors, %.1f MB in %.2fs", version, len(state), num_bytes / 1e6,
-                      time.monotonic() - start)
+        record = publish_weights(state, self.folder / f"policy_v{version}.safetensors", version)
+        self._prune(Path(record["uri"].removeprefix("file://")))
+        self.log.info("published version %d: %d tensors, %.1f MB in %.2fs", version, len(state),
+                      record["num_bytes"] / 1e6, time.monotonic() - start)
         self.metrics.log({"export_seconds": time.monotonic() - start, "policy_version": version}, step=version)
-        return batch_from_rows([{
-            "policy_version": version, "uri": f"file://{path}", "format": "safetensors", "num_bytes": num_bytes,
-            "tensor_names": list(digests), "tensor_digests": list(digests.values()),
-            "created_unix_s": time.time()}], WEIGHT_VERSION_SCHEMA)
+        return batch_from_rows([record], WEIGHT_VERSION_SCHEMA)
 
     def _prune(self, newest: Path) -> None:
         self.written.append(newest)

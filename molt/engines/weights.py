@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,3 +108,18 @@ async def apply_weight_record(engine: Any, record: dict[str, Any]) -> bool:
     verify_refit(record["policy_version"], dict(zip(record["tensor_names"], record["tensor_digests"])),
                  getattr(engine, "last_weight_digests", {}))
     return True
+
+
+def publish_weights(state: dict[str, torch.Tensor], path: Path, version: int) -> dict[str, Any]:
+    """Write ``state`` (HF names -> tensors) as one safetensors file at ``path``
+    atomically (temp name, then rename) and return its weight-version record
+    (a molt.schema.WEIGHT_VERSION_SCHEMA row) with every tensor's digest."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "policy_version": str(version)})
+    os.replace(tmp, path)
+    digests = {name: tensor_digest(t) for name, t in state.items()}
+    return {"policy_version": version, "uri": f"file://{path}", "format": "safetensors",
+            "num_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "tensor_names": list(digests), "tensor_digests": list(digests.values()), "created_unix_s": time.time()}
