@@ -13,6 +13,8 @@ from molt.pipeline import Pipeline
 from molt.runner import Runner
 
 SOURCE = "stages.synthetic_source.SyntheticSource"
+# The workspace's shared/ folder lies beside the checkout (CI clones elsewhere, with a copy beside it).
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SINK = "stages.metrics_sink.MetricsSink"
 
 

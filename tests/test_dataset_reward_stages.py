@@ -2,7 +2,6 @@
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -12,9 +11,9 @@ from molt.schema import COLUMNS, batch_from_rows, make_schema
 from molt.stage import StageContext
 from stages.dataset_source import DatasetSource
 from stages.reward import Reward
-from tests.conftest import SINK, run_spec
+from tests.conftest import GSM8K_DIR, SINK, run_spec
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = GSM8K_DIR / "test.jsonl"
 SOURCE = "stages.dataset_source.DatasetSource"
 REWARD_IN = make_schema([COLUMNS["sample_id"], COLUMNS["metadata"]], "trajectory")
 

@@ -13,8 +13,9 @@ from pydantic import TypeAdapter, ValidationError
 from molt.tasks import (ArithmeticProblems, ArithmeticTask, JSONLTask, ParquetTask, PromptNode, RecordSet,
                         TaskConfig, final_answer, prompt_batches, read_gsm8k)
 from molt.tasks.arithmetic import canonical
+from tests.conftest import GSM8K_DIR
 
-GSM8K = Path("/work/shared/data/gsm8k")
+GSM8K = GSM8K_DIR
 
 
 def problems(n, **kw):
@@ -111,7 +112,7 @@ def test_skip_malformed_counts_and_logs_instead_of_losing_lines_silently(tmp_pat
 
 
 def test_a_missing_file_is_a_value_error_naming_it(tmp_path):
-    with pytest.raises(ValueError, match="jsonl task path: no such file; got '.*nope.jsonl'"):
+    with pytest.raises(ValueError, match="path\n  Value error, no such file; got '.*nope.jsonl'"):
         JSONLTask(path=tmp_path / "nope.jsonl").load()
 
 
@@ -186,3 +187,19 @@ def test_an_endless_stream_is_split_across_replicas_by_index():
     assert got == ["arithmetic-train-s0-1", "arithmetic-train-s0-3", "arithmetic-train-s0-5"]
     with pytest.raises(ValueError, match="dataset cursor state needs integers 'epoch' and 'position'"):
         node.reset({"epoch": 0})
+
+
+def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
+    from molt.pipeline import Pipeline
+
+    spec = {"stages": {"source": {"class": "stages.dataset_source.DatasetSource",
+                                  "config": {"task": {"type": "gsm8k", "path": "/nonexistent/test.jsonl"}}},
+                       "sink": {"class": "stages.metrics_sink.MetricsSink"}},
+            "edges": [{"from": "source", "to": "sink"}]}
+    with pytest.raises(ValueError, match=r"stages.source.config.task.gsm8k.path: Value error, no such file; got "
+                                         r"'/nonexistent/test.jsonl'"):
+        Pipeline.from_spec(spec)
+    from molt.tasks import GSM8KTask
+
+    task = GSM8KTask(path=GSM8K / "test.jsonl", num_problems=5).load()
+    assert task.num_records == 5 and task.record(0)["answer"] == "18"

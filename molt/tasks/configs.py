@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from molt.tasks.arithmetic import ArithmeticProblems
 from molt.tasks.gsm8k import DEFAULT_INSTRUCTION, read_gsm8k
@@ -55,44 +55,57 @@ class ArithmeticTask(_TaskConfig):
             operations=self.operations, eval_fraction=self.eval_fraction, style=self.style)
 
 
-class GSM8KTask(_TaskConfig):
+class _FileTask(_TaskConfig):
+    """A task read from a file: the file must exist when the pipeline loads."""
+
+    path: Path
+    num_problems: int | None = Field(None, ge=1, description="use the first N records; null = all")
+    skip_malformed: bool = Field(False, description="count and log bad lines instead of failing")
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, path: Path) -> Path:
+        if not path.is_file():
+            raise ValueError(f"no such file; got {str(path)!r}; hint: paths are relative to where `molt run` starts")
+        return path
+
+    def first(self, records: RecordSet) -> RecordSet:
+        """The first ``num_problems`` records (all when unset)."""
+        return RecordSet(records.records[:self.num_problems], records.skipped)
+
+
+class GSM8KTask(_FileTask):
     """A GSM8K-format JSONL file (``question``, ``answer`` ending in ``#### N``)."""
 
     type: Literal["gsm8k"] = "gsm8k"
-    path: Path
     split: str | None = Field(None, description="default: the file's stem (train, test)")
     instruction: str = DEFAULT_INSTRUCTION
-    skip_malformed: bool = Field(False, description="count and log bad lines instead of failing")
 
     def load(self) -> Task:
-        return read_gsm8k(self.path, split=self.split, instruction=self.instruction,
-                          skip_malformed=self.skip_malformed)
+        return self.first(read_gsm8k(self.path, split=self.split, instruction=self.instruction,
+                                     skip_malformed=self.skip_malformed))
 
 
-class JSONLTask(_TaskConfig):
+class JSONLTask(_FileTask):
     """JSON lines whose rows already have ``messages`` (or ``prompt``) and ``answer``."""
 
     type: Literal["jsonl"] = "jsonl"
-    path: Path
     split: str = "train"
-    skip_malformed: bool = Field(False, description="count and log bad lines instead of failing")
 
     def load(self) -> RecordSet:
         stem, split = self.path.stem, self.split
-        return read_jsonl(self.path, lambda obj, i: generic_record(obj, i, stem=stem, split=split),
-                          skip_malformed=self.skip_malformed)
+        return self.first(read_jsonl(self.path, lambda obj, i: generic_record(obj, i, stem=stem, split=split),
+                                     skip_malformed=self.skip_malformed))
 
 
-class ParquetTask(_TaskConfig):
+class ParquetTask(_FileTask):
     """A Parquet file whose rows have ``messages`` (or ``prompt``) and ``answer``."""
 
     type: Literal["parquet"] = "parquet"
-    path: Path
     split: str = "train"
-    skip_malformed: bool = Field(False, description="count and log bad rows instead of failing")
 
     def load(self) -> RecordSet:
-        return read_parquet(self.path, split=self.split, skip_malformed=self.skip_malformed)
+        return self.first(read_parquet(self.path, split=self.split, skip_malformed=self.skip_malformed))
 
 
 TaskConfig = Annotated[Union[ArithmeticTask, GSM8KTask, JSONLTask, ParquetTask], Field(discriminator="type")]
