@@ -103,6 +103,9 @@ def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans
         time.sleep(0.2)
     pids = [pid for p in pid_files for pid in json.loads(p.read_text())]
     assert len(pids) == 4
+    source_metrics = run_dir / "metrics" / "source.0.jsonl"
+    while not (source_metrics.exists() and source_metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the source has sent its first batch
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     time.sleep(0.5)
@@ -110,7 +113,7 @@ def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans
     assert not alive, f"left behind: {alive}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["wall_s"] > 0
-    assert summary["metrics"]["source/rows_out"] == 32, "what ran before the interrupt is summarised"
+    assert summary["metrics"]["source/rows_out"] > 0, "what ran before the interrupt is summarised"
 
 
 def test_a_declared_feedback_edge_still_drains(tmp_path, no_orphans):
