@@ -30,6 +30,15 @@ def zctx():
     ctx.destroy(linger=0)
 
 
+async def connected(ctx, s):
+    """One producer and one consumer of edge ``s``, past their hello handshake."""
+    out = OutputPort(ctx, "out", [(s, 0)], "p.0")
+    inp = InputPort(ctx, "in", [s], "c.0")
+    await inp.start()
+    await out.wait_ready()
+    return out, inp
+
+
 async def _drain(port):
     items = []
     while (item := await port.recv(timeout_s=5)) is not None:
@@ -99,10 +108,7 @@ def test_credits_hold_a_producer_back_until_the_consumer_reads(zctx, tmp_path):
     async def main():
         ctx = zctx
         s = spec(tmp_path, capacity=2)
-        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
-        inp = InputPort(ctx, "in", [s], "c.0")
-        await inp.start()
-        await out.wait_ready()
+        out, inp = await connected(ctx, s)
         await out.send(batch(["a"]))
         await out.send(batch(["b"]))
         blocked = asyncio.create_task(out.send(batch(["c"])))
@@ -158,10 +164,7 @@ def test_error_frames_raise_upstream_error_with_the_stage_name(zctx, tmp_path):
     async def main():
         ctx = zctx
         s = spec(tmp_path)
-        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
-        inp = InputPort(ctx, "in", [s], "c.0")
-        await inp.start()
-        await out.wait_ready()
+        out, inp = await connected(ctx, s)
         await out.send_error("rollout", "Traceback: ValueError")
         try:
             await inp.recv(timeout_s=5)
@@ -241,10 +244,7 @@ def test_received_batches_share_the_message_memory(zctx, tmp_path):
     async def main():
         ctx = zctx
         s = spec(tmp_path)
-        out = OutputPort(ctx, "out", [(s, 0)], "p.0")
-        inp = InputPort(ctx, "in", [s], "c.0")
-        await inp.start()
-        await out.wait_ready()
+        out, inp = await connected(ctx, s)
         await out.send(batch(["a"] * 1000, list(range(1000))))
         b = await inp.recv(timeout_s=5)
         out.close(), inp.close()
