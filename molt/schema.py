@@ -77,6 +77,13 @@ WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
     _field("tensor_digests", pa.list_(pa.string()),
            "[N] digest of each tensor's dtype, shape and bytes (molt.engines.weights.tensor_digest), "
            "in tensor_names order; the engine recomputes them as it loads (refit verification)"),
+    _field("probe_token_ids", _I32_LIST,
+           "[P] fixed probe token ids (molt.engines.probe), the same every version; empty = no probe"),
+    _field("probe_logprobs", _F32_LIST,
+           "[P-1] the trainer's log_softmax(logits)[x_t] of probe token t given those before it, "
+           "temperature 1, t = 1..P-1; the engine's must match within probe_atol after the refit"),
+    _field("probe_atol", pa.float32(),
+           "largest |engine - trainer| probe logprob difference accepted (nats); null without a probe"),
     _field("created_unix_s", pa.float64(), "when the export finished (seconds since epoch)"),
 )
 

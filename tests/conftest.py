@@ -1,8 +1,11 @@
-"""Shared fixtures: run a pipeline through the real runner and check for orphans."""
+"""Shared fixtures: run a pipeline through the real runner, check for orphans, the default
+model and one vLLM engine for the whole test session (`vllm_session`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +65,30 @@ def tiny_chat_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
                          eos_token_id=2, bos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_session(default_model_dir):
+    """(event loop, VLLMEngine fp32, tokenizer, model dir): one engine per session.
+
+    AsyncLLM binds to the event loop that first uses it, so every vLLM test
+    runs its coroutines on this one loop.
+    """
+    pytest.importorskip("vllm")
+    folder = default_model_dir
+    from transformers import AutoTokenizer
+
+    from molt.engines.vllm import VLLMEngine
+
+    loop = asyncio.new_event_loop()
+
+    async def start() -> VLLMEngine:
+        return VLLMEngine(str(folder), dtype="float32", max_model_len=1024, kv_cache_gib=1)
+
+    engine = loop.run_until_complete(start())
+    logging.getLogger(__name__).warning("vLLM fp32 engine start: %.1f s", engine.start_seconds)
+    yield loop, engine, AutoTokenizer.from_pretrained(folder), folder
+    engine.close()
+    engine.close()  # idempotent
+    loop.run_until_complete(asyncio.sleep(0.1))  # let AsyncLLM's output task see its cancel
+    loop.close()

@@ -1,6 +1,7 @@
 """Engine contract tests: the transformers test double on a tiny random Llama,
 and the vLLM engine on the default model (skipped when vLLM or the converted
-model is missing; one engine for the whole session, since start-up is ~35 s)."""
+model is missing; one engine for the whole session, `vllm_session` in conftest.py,
+since start-up is ~35 s)."""
 
 from __future__ import annotations
 
@@ -156,33 +157,6 @@ def test_abort_ends_a_request_with_abort(tiny_model):
 
 COUNT_PROMPT = "Count from 1 to 200, separated by commas."
 QUESTION = "What is 12 + 30? Answer with just the number."
-
-
-@pytest.fixture(scope="session")
-def vllm_session(default_model_dir):
-    """(event loop, VLLMEngine fp32, tokenizer, model dir): one engine per session.
-
-    AsyncLLM binds to the event loop that first uses it, so every vLLM test
-    runs its coroutines on this one loop.
-    """
-    pytest.importorskip("vllm")
-    folder = default_model_dir
-    from transformers import AutoTokenizer
-
-    from molt.engines.vllm import VLLMEngine
-
-    loop = asyncio.new_event_loop()
-
-    async def start() -> VLLMEngine:
-        return VLLMEngine(str(folder), dtype="float32", max_model_len=1024, kv_cache_gib=1)
-
-    engine = loop.run_until_complete(start())
-    logger.warning("vLLM fp32 engine start: %.1f s", engine.start_seconds)
-    yield loop, engine, AutoTokenizer.from_pretrained(folder), folder
-    engine.close()
-    engine.close()  # idempotent
-    loop.run_until_complete(asyncio.sleep(0.1))  # let AsyncLLM's output task see its cancel
-    loop.close()
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -161,6 +161,24 @@ class Engine(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """[P-1] raw logprob of each token of ``token_ids`` [P] given the tokens before it.
+
+        ``log_softmax(logits(token_ids[:t]))[token_ids[t]]`` for t = 1..P-1, at
+        temperature 1 with no processing, under the current weights; never from a
+        prefix cache. The refit probe (molt.engines.probe) compares it with the
+        trainer's.
+        """
+
+    def source_weight_digests(self) -> dict[str, str]:
+        """name -> `tensor_digest` of the weights the engine was started from ({} if unknown).
+
+        Only meaningful before the first `load_weights`; the refit probe uses it to
+        tell a first refit with unchanged weights from one that did not take.
+        """
+        return {}
+
+    @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """End a request early; its `generate` returns finish_reason "abort".
 
@@ -168,6 +186,11 @@ class Engine(abc.ABC):
         """
 
     _version: int = 0  # set by subclasses at construction and by load_weights
+    # name -> tensor_digest of each tensor the last load_weights consumed ({} before any);
+    # set by subclasses at construction and by load_weights
+    last_weight_digests: dict[str, str]
+    # (probe token ids, this engine's prompt_logprobs of them) after the last verified refit
+    last_probe: tuple[list[int], list[float]] | None = None
 
     @property
     def policy_version(self) -> int:

@@ -141,6 +141,27 @@ class TransformersEngine(Engine):
         logits = out.logits[0, -1].float()  # [V]
         return sample_token(logits, request.params, request.generator)
 
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """[P-1] raw logprobs of `token_ids` [P] given their prefixes: one full fp32 forward."""
+        check_prompt("prompt_logprobs", token_ids)
+        self._check_open()
+        async with self._step_lock:  # not during a weight load
+            return await asyncio.to_thread(self._prompt_logprobs, list(token_ids))
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log_softmax(logits[:-1]) at the next tokens, for `prompt_logprobs`."""
+        model = self._model
+        assert model is not None, "checked open before"
+        input_ids = torch.tensor([token_ids], device=self._device)  # [1, P]
+        logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1].float()  # [P-1, V]
+        return torch.log_softmax(logits, -1).gather(-1, input_ids[0, 1:, None])[:, 0].tolist()
+
+    def source_weight_digests(self) -> dict[str, str]:
+        """Digests of the model's current state dict (before a load: the weights it started with)."""
+        assert self._model is not None, "engine is closed"
+        return {name: tensor_digest(t) for name, t in self._model.state_dict().items()}
+
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         """A generator seeded from (seed, request_id), or freshly when seed is None."""
         generator = torch.Generator(device=self._device)
@@ -183,6 +204,7 @@ class TransformersEngine(Engine):
             await asyncio.to_thread(self._copy_weights, state)
             self._version = version
         self.last_weight_digests = {name: tensor_digest(t) for name, t in state.items()}
+        self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s", version, path)
 
     def _copy_weights(self, state: dict[str, torch.Tensor]) -> None:

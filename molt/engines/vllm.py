@@ -15,7 +15,8 @@ Refit (`load_weights`), at a safe point between decode steps:
      (`pause_generation(mode="keep")`);
   2) every worker runs `MoltWorkerExtension.molt_load_weights(path)`, which
      streams the safetensors file into vLLM's in-place `reload_weights` and
-     returns a digest per tensor (kept in `last_weight_digests`);
+     returns a digest per tensor (kept in `last_weight_digests`), then
+     repacks layers whose weights are tied to a reloaded one (the lm_head);
   3) label later engine outputs with the new version (vLLM tracks the label
      per output token and returns spans, which become `policy_versions`);
   4) clear the prefix cache if nothing is in flight, then resume.
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 from safetensors import safe_open
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
-from molt.engines.weights import check_weights_file
+from molt.engines.weights import check_weights_file, file_digests
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -72,7 +73,7 @@ class VLLMEngine(Engine):
         seed: engine-wide sampling seed (per-request seeds are not sent).
         enforce_eager: skip graph compilation; on CPU compilation takes minutes.
         verify_weights: digest every tensor as it is loaded (`last_weight_digests`;
-            about 0.8 s per 540 MB here); off leaves the digests empty.
+            XXH3, about 0.1 s per 540 MB here); off leaves the digests empty.
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
@@ -102,6 +103,7 @@ class VLLMEngine(Engine):
         self._verify_weights = verify_weights
         self._load_lock = asyncio.Lock()
         self._warned_seed = False
+        self._num_probes = 0
         self.last_weight_digests: dict[str, str] = {}
         self.last_load_seconds = 0.0
 
@@ -132,6 +134,40 @@ class VLLMEngine(Engine):
         finally:
             self._in_flight.discard(request_id)
         return self._completion(request_id, final, version)
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """[P-1] raw logprobs of `token_ids` [P] given their prefixes (`Engine.prompt_logprobs`).
+
+        One request with `prompt_logprobs=0, max_tokens=1`: vLLM scores prompt
+        tokens with `log_softmax` of the raw logits whatever `logprobs_mode` (prompt
+        tokens skip the sampling processors), and such a request never reads the
+        prefix cache.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        check_prompt("prompt_logprobs", token_ids)
+        llm = self._check_open()
+        async with self._load_lock:
+            version = self._version
+        self._num_probes += 1
+        params = VLLMSamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"molt-v{version}")
+        final = None
+        async for output in llm.generate(prompt, params, f"molt-prompt-logprobs-{self._num_probes}"):
+            final = output
+        assert final is not None and final.prompt_logprobs is not None, "asked for prompt_logprobs=0"
+        return [float(step[token].logprob)  # type: ignore[index]
+                for step, token in zip(final.prompt_logprobs[1:], token_ids[1:])]
+
+    def source_weight_digests(self) -> dict[str, str]:
+        """Digests of the model folder's safetensors shards (the weights the engine started from)."""
+        digests: dict[str, str] = {}
+        for shard in sorted(self._model_dir.glob("*.safetensors")):
+            digests.update(file_digests(str(shard)))
+        return digests
 
     def _vllm_params(self, params: SamplingParams) -> VLLMSamplingParams:
         """Translate our params; the seed is never sent (see module docstring)."""
@@ -221,6 +257,7 @@ class VLLMEngine(Engine):
                     await llm.resume_generation()
             self.last_load_seconds = time.perf_counter() - start
             self.last_weight_digests = _same_digests(results)
+            self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s in %.2f s", version, path,
                     self.last_load_seconds)
 
