@@ -2,13 +2,16 @@
 
 Batch: ``--rows`` random sequences of ``--tokens`` tokens each (the last half generated,
 advantages +-1), the default model (SmolLM2-135M, fp32 master weights).
-Molt: ``molt.train`` as the train stage runs it (FSDP2 at world size 1 on gloo, one
-packed micro-batch, chunked logprobs, PPO loss with token-mean over the step, AdamW,
-clip). Baseline: ``AutoModelForCausalLM`` + AdamW, a right-padded ``[B, T]`` batch with
-an attention mask, full logits, ``log_softmax``/``gather``, the same PPO loss, clip, step.
-Each side runs in its own spawned process (so peak RSS is its own): ``--warmup`` steps,
-then ``--steps`` timed steps; the two sides alternate ``--repeats`` times and each keeps
-its best time. Run: ``python bench/train.py [--rows 4 --tokens 128]``.
+Molt: ``molt.train`` as the train stage runs it at world size 1 (`shard_policy` on a
+one-rank gloo group: left unwrapped in fp32, FSDP2 in bf16; one packed micro-batch with
+per-row attention, chunked logprobs, PPO loss with token-mean over the step, AdamW,
+clip). Baseline: ``AutoModelForCausalLM`` + AdamW, a ``[B, T]`` batch with an all-ones
+attention mask (rows are equally long), full logits, ``log_softmax``/``gather``, the
+same PPO loss, clip, step. Each side runs in its own spawned process (so peak RSS is its
+own): ``--warmup`` steps, then ``--steps`` timed steps; the two sides alternate
+``--repeats`` times and each keeps its fastest step (other load on the host only slows a
+step down); the median and slowest step and the process CPU seconds are printed too.
+Run: ``python bench/train.py [--rows 4 --tokens 128]``.
 Ends with ``ratio train R (molt X tok/s / baseline Y tok/s)``.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue as queue_module
 import resource
 import time
 
@@ -40,8 +44,8 @@ def make_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def molt_side(args: argparse.Namespace) -> float:
-    """Seconds per step of molt.train (FSDP2, world size 1)."""
+def molt_side(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each timed step of molt.train at world size 1."""
     from molt.schema import batch_from_rows, make_schema, resolve_fields
     from molt.stage import StageContext
     from molt.train import ObjectiveConfig, OptimConfig, load_policy, shard_policy, train_step
@@ -60,14 +64,14 @@ def molt_side(args: argparse.Namespace) -> float:
     return timed(lambda k: train_step(model, optimizer, batch, ObjectiveConfig(), optim, k), args)
 
 
-def baseline_side(args: argparse.Namespace) -> float:
-    """Seconds per step of a plain transformers + AdamW loop on a padded batch."""
+def baseline_side(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each timed step of a plain transformers + AdamW loop on a [B, T] batch."""
     from transformers import AutoModelForCausalLM
 
     rows = make_rows(args)
     model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)  # as OptimConfig()
     ids = torch.tensor([r["token_ids"] for r in rows])  # [B, T]
     mask = torch.tensor([r["loss_mask"] for r in rows])[:, 1:]
     old = torch.tensor([r["rollout_logprobs"] for r in rows])[:, 1:]
@@ -87,51 +91,66 @@ def baseline_side(args: argparse.Namespace) -> float:
     return timed(step, args)
 
 
-def timed(step, args: argparse.Namespace) -> float:  # type: ignore[no-untyped-def]
+def timed(step, args: argparse.Namespace) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+    """(wall seconds, process CPU seconds) of each of ``--steps`` steps after ``--warmup`` steps."""
     for k in range(args.warmup):
         step(k)
-    start = time.perf_counter()
+    times = []
     for k in range(args.steps):
+        start, cpu = time.perf_counter(), time.process_time()
         step(args.warmup + k)
-    return (time.perf_counter() - start) / args.steps
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+    return times
 
 
 def child(side: str, args: argparse.Namespace, queue: mp.Queue) -> None:
     torch.set_num_threads(args.threads)
-    seconds = molt_side(args) if side == "molt" else baseline_side(args)
-    queue.put((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    times = molt_side(args) if side == "molt" else baseline_side(args)
+    queue.put((times, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
-def run(side: str, args: argparse.Namespace) -> tuple[float, float]:
+def run(side: str, args: argparse.Namespace) -> tuple[list[tuple[float, float]], float]:
+    """([(s, CPU s) per step], peak RSS MiB) of one side in a fresh spawned process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=child, args=(side, args, queue))
     proc.start()
-    seconds, peak_mib = queue.get()
+    while True:  # a child killed (e.g. by the OOM killer) never answers: do not wait forever
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the {side} process died with exit code {proc.exitcode}") from None
     proc.join()
-    return seconds, peak_mib
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per row")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=2, help="alternate the sides; keep each side's best")
+    parser.add_argument("--repeats", type=int, default=2, help="alternate the sides; keep each side's fastest step")
     args = parser.parse_args()
     tokens = args.rows * args.tokens
-    results: dict[str, tuple[float, float]] = {}
+    steps: dict[str, list[tuple[float, float]]] = {"baseline": [], "molt": []}
+    peaks: dict[str, float] = {"baseline": 0.0, "molt": 0.0}
     for _ in range(args.repeats):  # alternating evens out load from other processes on the host
-        for side in ("baseline", "molt"):
-            seconds, peak = run(side, args)
-            best = results.get(side, (float("inf"), 0.0))
-            results[side] = (min(best[0], seconds), max(best[1], peak))
-    for side, (seconds, peak) in results.items():
-        print(f"{side:8s} {seconds:7.2f} s/step  {tokens / seconds:7.1f} tok/s  peak RSS {peak:7.0f} MiB")
-    ours, base = tokens / results["molt"][0], tokens / results["baseline"][0]
+        for side in steps:
+            times, peak = run(side, args)
+            steps[side] += times
+            peaks[side] = max(peaks[side], peak)
+    best = {side: min(t[0] for t in times) for side, times in steps.items()}
+    for side, times in steps.items():
+        walls = sorted(t[0] for t in times)
+        print(f"{side:8s} {best[side]:7.2f} s/step (median {walls[len(walls) // 2]:.2f}, max {walls[-1]:.2f} "
+              f"of {len(walls)})  {tokens / best[side]:7.1f} tok/s  cpu {min(t[1] for t in times):6.2f} s/step  "
+              f"peak RSS {peaks[side]:7.0f} MiB")
+    ours, base = tokens / best["molt"], tokens / best["baseline"]
     print(f"ratio train {ours / base:.2f} (molt {ours:.1f} tok/s / baseline {base:.1f} tok/s)")
 
 

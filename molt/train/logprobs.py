@@ -1,18 +1,26 @@
 """Logprobs of target tokens at a sampling temperature, chunked over tokens.
 
-    logp_t = log_softmax(h_t W^T / tau)[y_t]          h [N, H], W [V, H], y [N]
+    logp_t = log_softmax(z_t)[y_t] = z_t[y_t] - lse_t,   z_t = h_t W^T / tau,  lse_t = log sum_v exp(z_tv)
 
-computed ``chunk_tokens`` rows at a time in fp32, so at most ``[chunk_tokens, V]``
-logits exist at once, in the forward *and* the backward (a custom autograd function
-saves only h, W and y, and recomputes each chunk's softmax in backward):
+with h [N, H], W [V, H], y [N], computed ``chunk_tokens`` rows at a time in fp32, so at
+most ``[chunk_tokens, V]`` logits exist at once, in the forward *and* the backward. A
+custom autograd function saves h, W, y and lse [N]; the backward needs the softmax p_t
+of every chunk again:
 
-    d logp_t / d z_t = (onehot(y_t) - softmax(z_t)) / tau,   z_t = h_t W^T
-    grad_h = sum over chunks of g * dz @ W,   grad_W = sum of (g * dz)^T @ h
+    d logp_t / d z_t = onehot(y_t) - p_t,   p_t = exp(z_t - lse_t)
+    dz_t = g_t / tau * (onehot(y_t) - p_t)      (g = upstream gradient [N])
+    grad_h = dz @ W,   grad_W = dz^T @ h        (summed over chunks)
+
+The last chunk's p is kept from the forward and its backward runs first (then it is
+freed), so only the other chunks recompute their logits: a micro-batch of at most
+``chunk_tokens`` tokens costs the same three vocabulary matmuls as unchunked autograd,
+and the memory peak stays one chunk of logits (the backward of the head runs right after
+the forward, before any other activation is freed).
 
 Example: the full-vocab fp32 logits of 8,000 tokens of a 49,152-token vocabulary take
 1.5 GiB; with chunk_tokens 1024 the peak is 0.2 GiB and the result is identical.
 
-Shape legend: N tokens, H hidden size, V vocabulary.
+Shape legend: N tokens, n tokens of a chunk, H hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -23,12 +31,22 @@ import torch
 from torch import Tensor
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(logp [n] fp32, log_softmax [n, V] fp32) of one chunk; the projection runs in fp32
-    even under bf16 compute, since importance ratios are sensitive to logprob error."""
-    logits = (hidden.float() @ weight.float().t()) / temperature  # [n, V]
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return log_probs.gather(-1, targets[:, None])[:, 0], log_probs
+def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """z [n, V] fp32 = (h / tau) W^T, with ``weight`` [V, H] already fp32; the projection runs in
+    fp32 even under bf16 compute, since importance ratios are sensitive to logprob error."""
+    return (hidden.float() / temperature) @ weight.t()
+
+
+def _logp_lse(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp [n], lse [n], row sums [n]) of ``logits`` [n, V]; leaves exp(z - max z) in ``logits``.
+
+    In place, so a chunk holds one [n, V] buffer: max, exp, sum, as log_softmax does.
+    """
+    picked = logits.gather(1, targets[:, None])[:, 0]
+    top = logits.amax(1)
+    sums = logits.sub_(top[:, None]).exp_().sum(1)
+    lse = top + sums.log()
+    return picked - lse, lse, sums
 
 
 class _TargetLogprobs(torch.autograd.Function):
@@ -37,29 +55,40 @@ class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor,  # type: ignore[override]
                 temperature: float, chunk_tokens: int) -> Tensor:
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        w = weight.float()
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        ctx.probs = None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
-            out[start:end] = _chunk_logprobs(hidden[start:end], weight, targets[start:end], temperature)[0]
+            logits = _logits(hidden[start:end], w, temperature)  # [n, V]
+            out[start:end], lse[start:end], sums = _logp_lse(logits, targets[start:end])
+            if end >= hidden.shape[0] and any(ctx.needs_input_grad[:2]):
+                ctx.probs = logits.div_(sums[:, None])  # p of the last chunk, for the backward
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, weight, targets = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        hidden, weight, targets, lse = ctx.saved_tensors
+        w, n, tau = weight.float(), hidden.shape[0], ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+        starts = list(range(0, n, ctx.chunk_tokens))
+        for start in starts[-1:] + starts[:-1]:  # the kept chunk first, then free it
             end = start + ctx.chunk_tokens
-            h, y, g = hidden[start:end], targets[start:end], grad_out[start:end]
-            _, log_probs = _chunk_logprobs(h, weight, y, ctx.temperature)
-            dz = -log_probs.exp_()  # -softmax, in place
-            dz[torch.arange(len(y), device=dz.device), y] += 1.0
-            dz *= (g / ctx.temperature)[:, None]  # [n, V] gradient w.r.t. the logits z
+            h, y, g = hidden[start:end], targets[start:end], grad_out[start:end] / tau
+            if ctx.probs is not None:
+                probs, ctx.probs = ctx.probs, None
+            else:
+                probs = _logits(h, w, tau).sub_(lse[start:end, None]).exp_()
+            dz = probs.mul_(-g[:, None])  # [n, V] gradient w.r.t. the logits z, in place
+            dz[torch.arange(len(y), device=dz.device), y] += g
             if grad_hidden is not None:
-                grad_hidden[start:end] = (dz @ weight.float()).to(hidden.dtype)
-            grad_weight += dz.t() @ h.float()
+                grad_hidden[start:end] = (dz @ w).to(hidden.dtype)
+            grad_weight.addmm_(dz.t(), h.float())
+            del probs, dz
         grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_w, None, None, None
 

@@ -2,7 +2,8 @@
 
 `PolicyModel` wraps a Hugging Face causal LM so that one forward of a packed sequence
 returns the logprob of every next token (``molt.train.logprobs``, chunked over
-tokens) instead of full-vocabulary logits. It is sharded with FSDP2
+tokens) instead of full-vocabulary logits; attention runs row by row
+(``molt.train.attention``). On more than one rank (or in bf16) it is sharded with FSDP2
 (``torch.distributed.fsdp.fully_shard``): each decoder layer, then the wrapper, which
 owns the embedding, final norm and (tied) head. Gradients are *averaged* across
 ranks by the reduce-scatter, so the caller multiplies each loss share by the world
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from molt.train.attention import register as register_packed_sdpa
+from molt.train.attention import supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
 
 logger = logging.getLogger(__name__)
@@ -63,20 +66,35 @@ class PolicyModel(nn.Module):
 
 
 def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
-    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode."""
+    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode.
+
+    A model on transformers' ``sdpa`` attention whose layers are all plain causal
+    attention switches to molt.train.attention's per-row ``molt_packed_sdpa`` (no
+    ``[S, S]`` mask for a packed sequence).
+    """
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     lm.config.use_cache = False
+    if supports_packed_sdpa(lm.config) and lm.config._attn_implementation == "sdpa":
+        lm.set_attn_implementation(register_packed_sdpa())
     return PolicyModel(lm, temperature, chunk_tokens).train()
 
 
 def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu") -> PolicyModel:
-    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper (root), over all ranks.
+    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper (root), over all ranks (if > 1).
 
     ``compute_dtype`` "bfloat16" casts parameters to bf16 for compute while the sharded
     master weights, gradients' reduction and the optimizer stay fp32
     (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
+
+    One rank in fp32 is left unwrapped (as torchtitan applies FSDP only when the data-
+    parallel shard degree is > 1): the shard is the whole parameter, the cast is the
+    identity and the reduce-scatter a sum over one rank, so the arithmetic is the same,
+    while FSDP2 would still copy every parameter into its unsharded buffer twice a step
+    and every gradient through its reduce-scatter buffers (about 15% of a step of the
+    default model on CPU). The caller sees plain tensors instead of DTensors; state
+    dicts through torch.distributed.checkpoint.state_dict work on both.
 
     Raises:
         ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``).
@@ -87,10 +105,12 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     if compute_dtype not in DTYPES:
         raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}; got {compute_dtype!r}")
     ensure_process_group(device)
-    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     if device != "cpu":
         model.to(device)
+    if dist.get_world_size() == 1 and compute_dtype == "float32":
+        return model  # nothing to shard, cast or reduce: fully_shard would only add copies
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for layer in model.lm.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -230,7 +230,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 STEP_SCHEMA = make_schema([
     pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step just taken, from 0"}),
     pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the weights now (step + 1)"}),
-    pa.field("num_rows", pa.int64(), metadata={b"doc": b"rows trained in the step"}),
+    pa.field("num_rows", pa.int64(),
+             metadata={b"doc": b"rows trained in the step (0: a resumed trainer's first record)"}),
     pa.field("num_tokens", pa.int64(), metadata={b"doc": b"tokens forwarded (prompt + completion)"}),
     pa.field("num_loss_tokens", pa.int64(), metadata={b"doc": b"loss_mask tokens of the step"}),
     pa.field("loss", pa.float64(), metadata={b"doc": b"step loss (sum of every micro-batch share)"}),

@@ -1,0 +1,86 @@
+"""Causal attention over packed rows, one SDPA call per row, with no [S, S] mask.
+
+A packed micro-batch is one sequence ``[1, S]`` whose ``position_ids`` restart at 0 for
+every row (molt.train.packing). With transformers' ``sdpa`` attention, the model builds
+a dense block-diagonal boolean mask ``[1, 1, S, S]`` from the restarts, and a masked SDPA
+computes all ``S^2`` scores of every head (a mask also turns off the kernel's causal
+block skipping). The rows need only ``sum_r n_r^2 / 2``: an eighth for 4 rows of 128.
+
+`packed_sdpa` splits q, k, v at the row starts (a new row wherever a position does not
+follow its predecessor by 1, the rule of transformers' ``find_packed_sequence_indices``)
+and runs transformers' own ``sdpa_attention_forward`` with ``is_causal`` on each row, so
+a row's attention is computed exactly as if it were alone; the outputs are concatenated.
+Given a padding mask (never in packed training) it is plain ``sdpa``, mask included.
+
+It is registered with transformers as the attention implementation ``molt_packed_sdpa``
+together with a mask function that builds no mask unless a padding mask is given.
+`supports_packed_sdpa` keeps models whose masks carry more than causality and padding
+(sliding windows, chunked or bidirectional layers) on ``sdpa``.
+
+Example: position_ids [[0, 1, 2, 0, 1]] -> row lengths [3, 2] -> SDPA on tokens 0..2 and 3..4.
+
+Shape legend: B batch, H heads, S tokens, D head size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+NAME = "molt_packed_sdpa"
+
+
+def row_lengths(position_ids: Tensor) -> list[int]:
+    """Lengths of the rows packed in one ``position_ids`` row [S] (module docstring example)."""
+    starts = torch.diff(position_ids) != 1  # [S - 1], true where token t + 1 starts a row
+    bounds = [0] + (starts.nonzero()[:, 0] + 1).tolist() + [position_ids.shape[0]]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def packed_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                **kwargs: Any) -> tuple[Tensor, None]:
+    """Attention output [B, S, H, D] of query [B, H, S, D], key/value [B, H_kv, S, D], row by row.
+
+    Rows come from ``kwargs["position_ids"]`` [B or 1, S], which transformers' decoder
+    layers pass on to the attention function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.pop("position_ids", None)
+    kwargs.pop("is_causal", None)
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    outputs = []
+    for b in range(query.shape[0]):
+        lengths = row_lengths(position_ids[min(b, position_ids.shape[0] - 1)])
+        rows = zip(*(t[b:b + 1].split(lengths, dim=2) for t in (query, key, value)))
+        outputs.append(torch.cat([sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+                                  for q, k, v in rows], dim=1))
+    return torch.cat(outputs), None
+
+
+def _packed_mask(*, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """No mask for unpadded input (`packed_sdpa` finds the rows); transformers' sdpa mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def supports_packed_sdpa(config: Any) -> bool:
+    """Whether every layer of the model is plain causal attention (no window, chunk or bidirectional part)."""
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return bool(getattr(config, "is_causal", True) and not windowed and not getattr(config, "is_encoder_decoder", False)
+            and getattr(config, "attention_chunk_size", None) is None
+            and set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"})
+
+
+def register() -> str:
+    """Register `packed_sdpa` and its mask function with transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_sdpa)
+    AttentionMaskInterface.register(NAME, _packed_mask)
+    return NAME
