@@ -1,9 +1,11 @@
 """The ``molt`` command: run, graph, replay, inspect, models.
 
-``molt run PIPELINE.yaml [--set key=value ...] [--run-dir DIR]``
+``molt run PIPELINE.yaml [--set key=value ...] [--run-dir DIR | --resume RUN_DIR]``
 ``molt graph PIPELINE.yaml``
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
+``molt replay RUN_DIR --from-step K [--set ...]``
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
+``molt plot RUN_DIR``
 ``molt models prepare NAME``
 """
 
@@ -21,6 +23,7 @@ import yaml
 
 from molt.config import apply_override
 from molt.pipeline import Pipeline
+from molt.recording import edge_dirname as edge_dir
 
 
 def _interrupt(*_: Any) -> NoReturn:
@@ -30,17 +33,24 @@ def _interrupt(*_: Any) -> NoReturn:
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate and run a pipeline; exit code 0 on a clean drain."""
     pipe = Pipeline.from_yaml(args.pipeline, args.set)
-    return _run(pipe, args.run_dir)
+    if args.resume and args.run_dir:
+        raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; hint: pass only --resume")
+    return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
 
 
-def _run(pipe: Pipeline, run_dir: str | None) -> int:
+def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> int:
+    """Run ``pipe`` in ``run_dir`` (new or empty unless ``resume`` is True; a checkpoint
+    folder as ``resume`` restores a new run's stages from it)."""
     from molt.runner import Runner, default_run_dir
 
     path = Path(run_dir) if run_dir else default_run_dir(pipe)
-    if path.exists() and any(path.iterdir()):
-        raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir")
+    if resume is True and not (path / "pipeline.yaml").is_file():
+        raise ValueError(f"--resume {str(path)!r}: not a run directory (no pipeline.yaml)")
+    if resume is not True and path.exists() and any(path.iterdir()):
+        raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir, "
+                         "or --resume it to continue from its last checkpoint")
     signal.signal(signal.SIGTERM, _interrupt)
-    return Runner(pipe, path).run()
+    return Runner(pipe, path, resume=resume).run()
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -93,6 +103,11 @@ def recorded_consumer(recording: str) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.from_step is not None:
+        return replay_from_step(Path(args.recording), args.from_step, args.set, args.run_dir)
+    if args.pipeline is None:
+        raise ValueError("molt replay RECORDING PIPELINE.yaml: the pipeline is missing; hint: or replay a run "
+                         "directory with --from-step K")
     data = yaml.safe_load(Path(args.pipeline).read_text())
     for item in args.set:
         apply_override(data, item, args.pipeline)
@@ -104,6 +119,77 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ValueError(f"{e}\nhint: --into names the stage that consumed the recorded edge "
                          "(for record/A.out--B.in it is B)") from None
     return _run(pipe, args.run_dir)
+
+
+def replay_from_step(run_dir: Path, step: int, overrides: list[str], out_dir: str | None) -> int:
+    """Re-run a run's training side from the checkpoint at optimizer step ``step``.
+
+    Takes ``RUN_DIR/pipeline.yaml``, the oldest complete checkpoint whose trainer was
+    at ``step``, and the run's earliest recorded trajectory edge upstream of the
+    trainer; that edge's consumer and every stage after it restore from the checkpoint
+    and are fed the batches recorded after it (the checkpoint's per-edge counts), so
+    step ``step`` sees the same rows in the same order and repeats its recorded loss.
+    Stages fed only by broadcast edges (an evaluation) are left out.
+
+    Raises:
+        ValueError: no such checkpoint, or no recorded trajectory edge before the trainer.
+    """
+    from molt.checkpoint import checkpoint_at_version, read_replica_state, replica_names
+
+    source = str(run_dir / "pipeline.yaml")
+    data = yaml.safe_load(Path(source).read_text())
+    for item in overrides:
+        apply_override(data, item, source)
+    pipe = Pipeline.from_spec(data, source=source)
+    names = replica_names({sid: (n.replicas, n.colocate_with) for sid, n in pipe.stages.items()})
+    folder, trainer = checkpoint_at_version(run_dir, names, step)
+    edge = _recorded_trajectory_edge(pipe, trainer, run_dir)
+    skip = {f"{name}.arrow": read_replica_state(folder, name)["recorded"].get(edge.name, 0)
+            for name in sorted(names) if name.rsplit(".", 1)[0] == edge.src}
+    spec = _without_broadcast_only(replay_spec(data, str(run_dir / "record" / edge_dir(edge.name)),
+                                               f"{edge.dst}.{edge.dst_port}", source),
+                                   {e["from"] for e in data["edges"]})
+    spec["stages"]["replay"]["config"]["skip"] = skip
+    replay = Pipeline.from_spec(spec, source=f"{source} (replay from step {step})")
+    print(f"replaying {edge.name} after {folder.name} (step {step})", file=sys.stderr)
+    return _run(replay, out_dir, resume=folder)
+
+
+def _recorded_trajectory_edge(pipe: Pipeline, trainer: str, run_dir: Path) -> Any:
+    """The recorded edge carrying ``token_ids`` nearest the source, upstream of ``trainer``."""
+    upstream, frontier = {trainer}, {trainer}
+    while frontier:
+        frontier = {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream
+        upstream |= frontier
+    order = pipe.topo_order()
+    edges = [e for e in pipe.edges if e.cfg.record and e.dst in upstream and e.schema is not None
+             and "token_ids" in e.schema.names and (run_dir / "record" / edge_dir(e.name)).is_dir()]
+    if not edges:
+        raise ValueError(f"{run_dir}: no recorded trajectory edge before stage {trainer!r}; hint: set record: "
+                         "true on the rollout's output edge")
+    return min(edges, key=lambda e: order.index(e.dst))
+
+
+def _without_broadcast_only(spec: dict[str, Any], before: set[str]) -> dict[str, Any]:
+    """Drop stages fed only by broadcast edges (an evaluation) and the stages only they feed;
+    outputs (of ``before``, the original producers) left without a consumer, such as new
+    weights, go to a sink stage ``dropped``."""
+    fed = {e["to"].split(".")[0] for e in spec["edges"]}
+    while True:
+        kinds: dict[str, list[str]] = {}
+        for e in spec["edges"]:
+            kinds.setdefault(e["to"].split(".")[0], []).append(e.get("kind", "stream"))
+        gone = {s for s in fed & set(spec["stages"]) if all(k == "broadcast" for k in kinds.get(s, ["broadcast"]))}
+        if not gone:
+            break
+        spec["stages"] = {k: v for k, v in spec["stages"].items() if k not in gone}
+        spec["edges"] = [e for e in spec["edges"]
+                         if e["from"].split(".")[0] not in gone and e["to"].split(".")[0] not in gone]
+    dangling = sorted(p for p in before - {e["from"] for e in spec["edges"]} if p.split(".")[0] in spec["stages"])
+    if dangling:
+        spec["stages"]["dropped"] = {"class": "stages.metrics_sink.MetricsSink"}
+        spec["edges"] += [{"from": p, "to": "dropped"} for p in dangling]
+    return spec
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -120,6 +206,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from molt.plot import plot_run
+
+    for path in plot_run(Path(args.run_dir)):
+        print(path)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from molt.models import prepare
 
@@ -133,11 +227,16 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a pipeline")
     run.add_argument("pipeline", help="a pipeline YAML file, e.g. pipelines/smoke.yaml")
     run.add_argument("--run-dir", help="a new or empty folder for the run (default: runs/NAME-TIMESTAMP)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest complete "
+                     "checkpoint (same pipeline and --set values)")
     graph = sub.add_parser("graph", help="print the validated DAG")
     graph.add_argument("pipeline", help="a pipeline YAML file")
     replay = sub.add_parser("replay", help="re-run stages offline from a recorded edge")
-    replay.add_argument("recording", help="a recorded .arrow file or folder (RUN_DIR/record/EDGE)")
-    replay.add_argument("pipeline", help="the pipeline whose downstream stages re-run")
+    replay.add_argument("recording", help="a recorded .arrow file or folder (RUN_DIR/record/EDGE); with "
+                        "--from-step, a run directory")
+    replay.add_argument("pipeline", nargs="?", help="the pipeline whose downstream stages re-run")
+    replay.add_argument("--from-step", type=int, help="re-run the training side of the run directory from "
+                        "its checkpoint at this optimizer step, fed its recorded trajectories")
     replay.add_argument("--into", help="the stage (or stage.port) the recording feeds; default: the recorded "
                         "edge's consumer, read from the RUN_DIR/record/EDGE folder name")
     replay.add_argument("--run-dir", help="a new or empty folder (default: runs/NAME-replay-TIMESTAMP)")
@@ -148,6 +247,8 @@ def parser() -> argparse.ArgumentParser:
     insp.add_argument("file")
     insp.add_argument("--tokenizer", help="a model folder or name whose tokenizer decodes token_ids")
     insp.add_argument("--samples", type=int, default=1)
+    plot = sub.add_parser("plot", help="write PNG curves of a run into RUN_DIR/plots/")
+    plot.add_argument("run_dir")
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)
     prep = msub.add_parser("prepare", help="convert a model into a local Hugging Face folder")
@@ -158,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handlers = {"run": cmd_run, "graph": cmd_graph, "replay": cmd_replay, "inspect": cmd_inspect,
-                "models": cmd_models}
+                "plot": cmd_plot, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except ValueError as e:

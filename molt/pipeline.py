@@ -73,6 +73,7 @@ class PipelineSpec(BaseModel):
     host: str = "127.0.0.1"
     ready_timeout_s: float = Field(120.0, gt=0)
     stop_timeout_s: float = Field(10.0, gt=0)
+    keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 

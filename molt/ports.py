@@ -170,8 +170,11 @@ class OutputPort:
             self.buffers.hold(shared.parent, trackers)
 
     async def send_barrier(self, step: int) -> None:
+        """Send checkpoint barrier ``step`` on every stream/keyed edge (a broadcast edge
+        carries latest values, not a cut of the data, so it gets none)."""
         for e in self.edges:
-            await e.send_control(BARRIER, json.dumps({"step": step}).encode())
+            if e.spec.kind != "broadcast":
+                await e.send_control(BARRIER, json.dumps({"step": step}).encode())
 
     async def send_end(self) -> None:
         for e in self.edges:

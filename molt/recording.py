@@ -23,14 +23,44 @@ def edge_dirname(edge_name: str) -> str:
 
 
 class RecordWriter:
-    """Append record batches to one Arrow IPC stream file, flushed after every batch."""
+    """Append record batches to one Arrow IPC stream file, flushed after every batch.
 
-    def __init__(self, path: Path) -> None:
+    ``keep_batches`` (a resumed run): keep the first N batches of an existing file at
+    ``path`` -- what was recorded up to the checkpoint -- and append after them; later
+    batches (recorded after the checkpoint, before the stop) are dropped, since the
+    resumed run produces them again.
+
+    Raises:
+        ValueError: the existing file holds fewer than ``keep_batches`` batches.
+    """
+
+    def __init__(self, path: Path, keep_batches: int = 0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
-        self.num_rows = 0
+        self.num_rows = self.num_batches = 0
+        if keep_batches:
+            self._keep_prefix(keep_batches)
+
+    def _keep_prefix(self, count: int) -> None:
+        kept: list[pa.RecordBatch] = []
+        if self.path.is_file():
+            with pa.ipc.open_stream(pa.memory_map(str(self.path))) as reader:
+                try:
+                    while len(kept) < count:
+                        kept.append(reader.read_next_batch())
+                except (StopIteration, pa.ArrowException):
+                    pass
+        if len(kept) < count:
+            raise ValueError(f"recording {self.path} holds {len(kept)} complete batches but the checkpoint "
+                             f"counted {count}; hint: resume from the run directory that saved the checkpoint")
+        tmp = self.path.with_name(f".{self.path.name}.resume")
+        self._file = pa.OSFile(str(tmp), "wb")
+        self._writer = pa.ipc.new_stream(self._file, kept[0].schema)
+        for batch in kept:
+            self.write(batch)
+        os.replace(tmp, self.path)  # the open file continues under the final name
 
     def write(self, batch: pa.RecordBatch) -> None:
         if self._writer is None:
@@ -39,6 +69,7 @@ class RecordWriter:
         self._writer.write_batch(batch)
         self._file.flush()
         self.num_rows += batch.num_rows
+        self.num_batches += 1
 
     def close(self) -> None:
         """Finish the file (idempotent)."""

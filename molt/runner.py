@@ -5,6 +5,14 @@ Run directory: ``pipeline.yaml`` (resolved config), ``wiring.json`` (endpoints),
 ``metrics.jsonl``, ``status/`` (per process), ``record/`` (recorded edges),
 ``checkpoints/`` and ``summary.json``.
 
+Checkpoints (molt.checkpoint): stages save them at barriers; the runner keeps the
+newest ``keep_checkpoints`` complete ones. ``resume=True`` (``molt run --resume``)
+continues a stopped run in its own directory from its newest complete checkpoint:
+it writes ``resume.json`` naming it, clears the old ``status/``, and every stage
+restores itself after ``setup()``; ``logs/`` and ``metrics/`` are appended to.
+``resume=FOLDER`` (``molt replay --from-step``) starts a new run whose stages restore
+from that checkpoint of another run where they have state there.
+
 Healthy drain: sources finish and send end-of-stream; each stage ends when every
 producer of each non-broadcast input has ended, flushes, sends end-of-stream on
 its outputs and exits 0; a broadcast (feedback) edge never holds a stage back, so
@@ -40,6 +48,7 @@ from typing import Any
 import psutil
 import yaml
 
+from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
 from molt.progress import Progress
@@ -98,8 +107,10 @@ class Proc:
 class Runner:
     """Runs a validated pipeline in ``run_dir`` and returns an exit code."""
 
-    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool | None = None) -> None:
-        self.pipe, self.run_dir = pipe, Path(run_dir)
+    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool | None = None,
+                 resume: bool | Path = False) -> None:
+        self.pipe, self.run_dir, self.resume = pipe, Path(run_dir), resume
+        self.replica_names = replica_names({sid: (n.replicas, n.colocate_with) for sid, n in pipe.stages.items()})
         self.procs: list[Proc] = []
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
@@ -107,6 +118,8 @@ class Runner:
 
     def start(self) -> None:
         """Write the resolved config and wiring, then start one process per replica."""
+        if self.resume:
+            self._prepare_resume()
         for sub in ("logs", "metrics", "status"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
@@ -116,6 +129,18 @@ class Runner:
             if node.colocate_with is None:
                 for r in range(node.replicas):
                     self.procs.append(self._spawn(sid, r, node.world_size))
+
+    def _prepare_resume(self) -> None:
+        """Name the checkpoint in ``resume.json`` (newest complete one, or the given
+        folder: then not strict, recordings fresh); drop the old statuses."""
+        explicit = isinstance(self.resume, Path)
+        folder = self.resume if isinstance(self.resume, Path) else latest_checkpoint(self.run_dir, self.replica_names)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "resume.json").write_text(json.dumps(
+            {"checkpoint": str(folder.resolve()), "strict": not explicit, "keep_records": not explicit}))
+        for old in (self.run_dir / "status").glob("*.json"):  # a resumed run's previous statuses
+            old.unlink()
+        log.info("resuming %s from %s", self.run_dir, folder.name)
 
     def _spawn(self, sid: str, replica: int, world_size: int) -> Proc:
         cmd = [sys.executable, "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
@@ -134,8 +159,11 @@ class Runner:
 
     def supervise(self, progress: Progress) -> None:
         """Poll until every process has exited 0 or one has failed (sets ``failure``)."""
+        polls = 0
         while True:
             progress.update(time.monotonic() - self.start_s)
+            if (polls := polls + 1) % 10 == 0:
+                prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
             for p in self.procs:
                 p.descendants |= _descendants(p.popen.pid)
             codes = [p.popen.poll() for p in self.procs]
@@ -162,6 +190,7 @@ class Runner:
                 self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
             finally:
                 self.stop()
+                prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
             progress.update(time.monotonic() - self.start_s)
             return self._finish(progress.summary(), time.monotonic() - self.start_s)
 

@@ -10,8 +10,10 @@ Kinds (pick one base):
   ``await self.recv(port)`` and ``await self.send(port, batch)`` itself.
 
 Hooks every kind may add: ``setup()``, ``close()`` (idempotent), ``state_dict()`` /
-``load_state_dict()`` and ``on_barrier(step)`` (checkpoint barrier; by default it
-saves ``state_dict()`` as JSON under ``RUN_DIR/checkpoints/step_{k}/``).
+``load_state_dict()`` (JSON state, saved at each checkpoint barrier and given back
+after ``setup()`` when a run resumes), and for bulky state ``save_checkpoint(folder)``
+/ ``load_checkpoint(folder)`` (call ``super()`` so the JSON is written last; see
+molt.checkpoint).
 
 Columns: each input :class:`Port` names the columns it ``reads``; each output port
 names the columns it ``writes`` and the input whose columns it ``passes`` through, or
@@ -20,9 +22,7 @@ gives a fixed ``schema``. The pipeline derives every edge's schema from these at
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from molt.checkpoint import checkpoint_dir, read_replica_state, write_json_atomic
 from molt.metrics import MetricsWriter, get_logger
 from molt.ports import InputPort, OutputPort
 from molt.transport import Barrier
@@ -72,6 +73,7 @@ class StageContext:
     outputs: dict[str, OutputPort] = field(default_factory=dict)
     metrics: MetricsWriter | None = None
     group: Any = None  # molt.worker.GroupChannel for torchrun groups
+    resume_from: Path | None = None  # checkpoint folder this run resumes from
 
 
 class Stage:
@@ -105,15 +107,28 @@ class Stage:
         """Restore what :meth:`state_dict` returned."""
 
     def on_barrier(self, step: int) -> None:
-        """Checkpoint barrier ``step``: save ``state_dict()`` atomically (if any; rank 0)."""
-        state = self.state_dict()
-        if not state or self.ctx.run_dir is None or self.ctx.rank != 0:
+        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.checkpoint)."""
+        if self.ctx.run_dir is not None:
+            self.save_checkpoint(checkpoint_dir(self.ctx.run_dir, step))
+
+    def save_checkpoint(self, folder: Path) -> None:
+        """Write ``{stage}.{replica}.json`` (state and recorded batch counts) atomically, on rank 0.
+
+        Runs on every rank of a group; an override that writes more files does so
+        first, then calls this, so the JSON marks this replica's part complete.
+        """
+        if self.ctx.rank != 0:
             return
-        path = self.ctx.run_dir / "checkpoints" / f"step_{step}" / f"{self.ctx.stage_id}.{self.ctx.replica}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        recorded = {name: rec.num_batches for out in self.ctx.outputs.values()
+                    for name, rec in getattr(out, "recorders", {}).items()}
+        write_json_atomic(folder / f"{self.ctx.stage_id}.{self.ctx.replica}.json",
+                          {"state": self.state_dict(), "recorded": recorded})
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Restore from checkpoint ``folder`` after ``setup()`` (``load_state_dict`` of the JSON)."""
+        state = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]
+        if state:
+            self.load_state_dict(state)
 
     async def send(self, port: str, batch: pa.RecordBatch) -> None:
         """Send a batch on output ``port`` (conformed to the port's schema).

@@ -4,9 +4,15 @@ The runner starts one per stage replica (under torchrun for a group). The worker
 loads the resolved pipeline and wiring from the run directory, builds the host stage
 and every stage fused into it (``colocate_with``), wires their ports, and runs::
 
-    1) connect inputs and say hello     2) setup()
+    1) connect inputs and say hello     2) setup() (+ load_checkpoint when resuming)
     3) wait for every consumer's hello  4) run the stage's loop
     5) send end-of-stream downstream    6) close()
+
+Resuming (``RUN_DIR/resume.json`` names a checkpoint folder, molt.checkpoint): each
+stage gets ``load_checkpoint(folder)`` after ``setup()``, and each recorded edge keeps
+the batches recorded up to the checkpoint (``keep_records``; a replay into a new run
+directory starts its recordings fresh, and with ``strict`` false a stage that has no
+state in the checkpoint, e.g. the replay source, starts fresh).
 
 On failure it sends an error frame on every output, writes
 ``RUN_DIR/status/{stage}.{replica}.json`` with the traceback, and exits 1.
@@ -26,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import zmq.asyncio
 
+from molt.checkpoint import read_replica_state
 from molt.metrics import MetricsWriter
 from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
@@ -105,8 +112,9 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
                 zctx: zmq.asyncio.Context, rank: int, world_size: int, group: Any) -> Stage:
     """Instantiate one stage with its ports wired for this process."""
     host = pipe.stages[node.colocate_with] if node.colocate_with else node
-    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size)
     name = f"{node.id}.{replica}"
+    resume_from, recorded = resume_plan(run_dir, name)
+    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size, resume_from=resume_from)
     suffix = "" if world_size == 1 else f".rank{rank}"
     ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,
                                 node.id, replica)
@@ -126,7 +134,8 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
             if not edges:
                 ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
                 continue
-        recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow")
+        recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow",
+                                          recorded.get(e.name, 0))
                      for e in edges if e.cfg.record and rank == 0}
         ends = [edge_spec(pipe, wiring, e.name, replica) for e in edges]
         ctx.outputs[port] = OutputPort(zctx, port, ends, name, recorders)
@@ -138,6 +147,8 @@ async def run_stage(stage: Stage) -> None:
     ctx = stage.ctx
     try:
         stage.setup()
+        if ctx.resume_from is not None:
+            stage.load_checkpoint(ctx.resume_from)
         for out in ctx.outputs.values():
             await out.wait_ready()
         await stage.run()  # type: ignore[attr-defined]
@@ -187,6 +198,24 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
             for p in ports:
                 p.close()
         zctx.term()
+
+
+def resume_plan(run_dir: Path, name: str) -> tuple[Path | None, dict[str, int]]:
+    """(checkpoint folder replica ``name`` restores from, batches to keep per recorded edge),
+    from ``RUN_DIR/resume.json`` (written by the runner); (None, {}) for a fresh start.
+
+    Raises:
+        ValueError: a strict resume whose checkpoint has no state for ``name``.
+    """
+    path = run_dir / "resume.json"
+    if not path.is_file():
+        return None, {}
+    plan = json.loads(path.read_text())
+    folder = Path(plan["checkpoint"])
+    if not plan.get("strict", True) and not (folder / f"{name}.json").is_file():
+        return None, {}
+    recorded = read_replica_state(folder, name)["recorded"]
+    return folder, recorded if plan.get("keep_records", True) else {}
 
 
 def write_status(run_dir: Path, name: str, state: str, error: str = "", upstream: bool = False) -> None:

@@ -8,8 +8,12 @@ a seeded shuffle per epoch, and replica ``r`` of ``N`` taking a disjoint share.
 
 ``prompt_id`` is the record's id in the first epoch and ``{id}~e{epoch}`` after, so a
 prompt group key never repeats within a run. ``state_dict()`` is the cursor
-(``{"cursor": {"source": {"epoch": e, "position": p}}, "num_records": n}``); a new
-instance given it by ``load_state_dict()`` continues with the next prompt.
+(``{"cursor": {"source": {"epoch": e, "position": p}}, "num_records": n,
+"num_batches": b}``); a new instance given it by ``load_state_dict()`` continues with
+the next prompt. ``checkpoint_every_batches: k`` emits a checkpoint ``Barrier(b)``
+after every k-th batch (b = batches emitted so far; molt.checkpoint), which is what
+``molt run --resume`` restarts from; with ``k * prompts_per_batch`` a multiple of the
+rollout's ``groups_per_step`` each checkpoint falls on an optimizer-step boundary.
 Example: 5 records, ``prompts_per_batch: 2``, one epoch -> batches of 2, 2, 1 rows.
 
     source:
@@ -44,6 +48,7 @@ class DatasetSource(Source):
         num_epochs: int | None = Field(1, ge=1, description="passes over a finite task; null = forever")
         shuffle: bool | None = Field(None, description="reshuffle each epoch; default true (finite tasks)")
         seed: int = Field(0, description="seed of the per-epoch shuffle")
+        checkpoint_every_batches: int = Field(0, ge=0, description="checkpoint barrier every k batches; 0 = none")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}
     config: Config
@@ -52,6 +57,7 @@ class DatasetSource(Source):
         super().__init__(config, ctx)
         self._pending: dict[str, Any] | None = None
         self._batches: Batcher[Record] | None = None
+        self.num_batches = 0
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx
@@ -80,9 +86,13 @@ class DatasetSource(Source):
 
     def generate(self) -> Iterator[pa.RecordBatch | Barrier]:
         assert self._batches is not None, "setup() runs before generate()"
+        every = self.config.checkpoint_every_batches
         for records in self._batches:
-            # 1) next prompts from the cursor  2) encode as one batch
+            # 1) next prompts from the cursor  2) encode as one batch  3) checkpoint barrier if due
+            self.num_batches += 1
             yield batch_from_rows([self._row(r) for r in records], self.schema)
+            if every and self.num_batches % every == 0:
+                yield Barrier(self.num_batches)
 
     def _row(self, record: Record) -> dict[str, Any]:
         meta = {k: v for k, v in record.items() if k != "prompt_id"}
@@ -98,7 +108,8 @@ class DatasetSource(Source):
         """The cursor: which prompt comes next (JSON-serialisable)."""
         if self._batches is None:
             return dict(self._pending or {})
-        return {"cursor": self._batches.state_dict(), "num_records": self.task.num_records}
+        return {"cursor": self._batches.state_dict(), "num_records": self.task.num_records,
+                "num_batches": self.num_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the last prompt emitted when ``state`` was taken.
@@ -116,3 +127,4 @@ class DatasetSource(Source):
             raise ValueError(f"stage {self.ctx.stage_id!r}: saved cursor is for {state.get('num_records')} "
                              f"records; got a task of {self.task.num_records}; hint: resume with the same task config")
         self._batches.reset(state["cursor"])
+        self.num_batches = state.get("num_batches", 0)

@@ -17,6 +17,9 @@ Rows whose loss_mask is all false are trained (they count in the token budget) a
 add 0 to both denominators, as molt.algorithms.aggregation counts them. Sequences
 are never split; see molt.train.packing for the balancing and filling rules.
 
+Checkpoint: the next step number and the groups held for it (an Arrow file beside the
+JSON), so a resumed run trains them in the same step.
+
 End of stream: a partial step (fewer than ``groups_per_step`` groups) is dropped and
 counted (``groups_dropped``), unless ``flush_partial: true`` trains it as a smaller
 step. Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
@@ -27,11 +30,15 @@ step. Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from molt.checkpoint import read_replica_state
 from molt.columns import row_lengths
 from molt.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step
@@ -82,6 +89,34 @@ class Pack(Service):
                              len(self.groups))
             self.metrics.count("groups_dropped", len(self.groups))
         self.metrics.flush_counters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "num_groups_held": len(self.groups)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+    def save_checkpoint(self, folder: Path) -> None:
+        if self.groups:  # held groups first, the JSON (written by super) marks completion
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{self.ctx.stage_id}.{self.ctx.replica}.arrow.tmp"
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, self.groups[0].schema) as writer:
+                for group in self.groups:
+                    writer.write_batch(group)
+            tmp.rename(folder / f"{self.ctx.stage_id}.{self.ctx.replica}.arrow")
+        super().save_checkpoint(folder)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        super().load_checkpoint(folder)
+        path = folder / f"{self.ctx.stage_id}.{self.ctx.replica}.arrow"
+        if path.is_file():
+            with pa.OSFile(str(path), "rb") as source:
+                reader = pa.ipc.open_file(source)
+                self.groups = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        held = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]["num_groups_held"]
+        if len(self.groups) != held:
+            raise ValueError(f"checkpoint {folder}: {path.name} holds {len(self.groups)} groups, its JSON "
+                             f"{held}; hint: the checkpoint was altered, resume from another one")
 
     def place(self, groups: list[pa.RecordBatch]) -> pa.RecordBatch:
         """One step batch of ``groups``, with the step columns, ordered by rank and micro-batch."""

@@ -3,16 +3,19 @@
 ``path`` is a recorded ``.arrow`` file or a folder of them (``RUN_DIR/record/EDGE``,
 one file per producer replica, read in name order). The output schema is the
 recording's, read when the pipeline loads, so a replayed edge is checked against
-its consumers like a live one.
+its consumers like a live one. ``skip`` drops the first batches of named files (``{"rollout.0.arrow":
+12}``): what was recorded before a checkpoint, for ``molt replay --from-step``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pyarrow as pa
+from pydantic import Field
 
-from molt.recording import read_batches, read_schema
+from molt.recording import read_batches, read_schema, recording_files
 from molt.stage import Port, Source, StageConfig
 
 
@@ -21,6 +24,7 @@ class ReplaySource(Source):
 
     class Config(StageConfig):
         path: str
+        skip: dict[str, int] = Field(default_factory=dict, description="file name -> leading batches to skip")
 
     config: Config
 
@@ -35,4 +39,5 @@ class ReplaySource(Source):
                              f"recording in order; got {self.ctx.num_replicas} replicas; hint: use 1")
 
     def generate(self) -> Iterator[pa.RecordBatch]:
-        yield from read_batches(self.config.path)
+        for path in recording_files(self.config.path):
+            yield from itertools.islice(read_batches(path), self.config.skip.get(path.name, 0), None)

@@ -13,7 +13,9 @@ per step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version
 
 Refit: with ``weights_input: true``, each weight-version record on ``weights`` is
 loaded into the engine (in-flight sequences continue on the new version) and every
-tensor's digest is verified; a mismatch stops the run naming the tensors.
+tensor's digest and the probe are checked (apply_weight_record); a failure stops the run. Checkpoint
+state: groups admitted and the engine's version (resumed, it admits nothing until the
+engine holds that version again: the broadcast re-publishes it).
 
 Failures: an env or agent that raises, or a prompt over the context window, fails its
 rollout: counted (``rollouts_failed``), logged, not emitted; ``group_size`` stays the
@@ -23,20 +25,20 @@ number started. If every rollout fails, or the engine fails, the stage fails.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
 import pyarrow as pa
 from pydantic import Field
 
-from molt.agents import AgentError, ChatServer, ChatTemplate, Env, Episode, SingleTurn, episode_rows, run_episode
+from molt.agents import ChatServer, ChatTemplate, Env, Episode, SingleTurn, run_episode, run_group
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
 from molt.config import import_class
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
+from molt.tasks import read_prompts
 from molt.transport import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
@@ -91,7 +93,7 @@ class Rollout(Service):
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         _, outputs = self.ports(c)
         self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
-        self.num_groups = 0  # groups admitted so far
+        self.num_groups, self.resume_version = 0, 0  # groups admitted so far; version to wait for
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
         self.first_admit_s: float | None = None
@@ -133,18 +135,25 @@ class Rollout(Service):
         self._log_throughput()
 
     def _log_throughput(self) -> None:
-        failed = self.metrics.counters.get("rollouts_failed", 0)
-        if failed and not self.metrics.counters.get("rows_out"):
-            raise RuntimeError(f"every rollout failed ({failed:.0f}); see the warnings above for their errors")
+        counts = self.metrics.counters
+        if counts.get("rollouts_failed", 0) and not counts.get("rows_out"):
+            raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}); see the warnings above")
         if self.first_admit_s is not None:
             seconds = time.monotonic() - self.first_admit_s
-            tokens = self.metrics.counters.get("tokens_generated", 0.0)
-            self.metrics.log({"generate_seconds": seconds, "generated_tokens_per_s": tokens / max(seconds, 1e-9)})
+            self.metrics.log({"generate_seconds": seconds,
+                              "generated_tokens_per_s": counts.get("tokens_generated", 0.0) / max(seconds, 1e-9)})
 
     def _admissible(self) -> bool:
-        c = self.config
-        return c.max_staleness is None or (
-            self.engine.policy_version >= self.num_groups // c.groups_per_step - c.max_staleness)
+        c, version = self.config, self.engine.policy_version
+        return version >= self.resume_version and (
+            c.max_staleness is None or version >= self.num_groups // c.groups_per_step - c.max_staleness)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_groups": self.num_groups, "policy_version": self.engine.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_groups = state["num_groups"]
+        self.resume_version = state["policy_version"] if self.config.weights_input else 0
 
     async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
         """Next prompts ([] if none within 0.2 s), a barrier, or None at end of stream."""
@@ -152,10 +161,7 @@ class Rollout(Service):
             item = await self.recv("in", timeout_s=0.2)
         except TimeoutError:
             return []
-        if item is None or isinstance(item, Barrier):
-            return item
-        return list(zip(item.column("prompt_id").to_pylist(),
-                        (json.loads(m) if m else {} for m in item.column("metadata").to_pylist())))
+        return item if item is None or isinstance(item, Barrier) else read_prompts(item)
 
     async def _send_done(self, batches: list[pa.RecordBatch | None]) -> None:
         for batch in (b for b in batches if b is not None):
@@ -163,17 +169,12 @@ class Rollout(Service):
 
     async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> pa.RecordBatch | None:
         """Run ``group_size`` episodes of one prompt; rows of the successful ones."""
-        start, ids = time.monotonic(), [f"{prompt_id}#{index}/{k}" for k in range(self.config.group_size)]
-        results = await asyncio.gather(*(self._episode(task, rid) for rid in ids), return_exceptions=True)
-        rows = []
-        for rid, ep in zip(ids, results):
-            if isinstance(ep, (AgentError, ValueError)):
-                self.log.warning("rollout %s failed: %s", rid, ep)
-                self.metrics.count("rollouts_failed")
-            elif isinstance(ep, BaseException):
-                raise ep
-            else:
-                rows += episode_rows(ep, prompt_id, rid, task, self.config.group_size, "score" in self.schema.names)
+        start = time.monotonic()
+        rows, failed = await run_group(lambda rid: self._episode(task, rid), prompt_id, task, index,
+                                       self.config.group_size, "score" in self.schema.names)
+        for rid, error in failed:
+            self.log.warning("rollout %s failed: %s", rid, error)
+            self.metrics.count("rollouts_failed")
         self.metrics.count("tokens_generated", sum(sum(r["loss_mask"]) for r in rows))
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
         return batch_from_rows(rows, self.schema) if rows else None

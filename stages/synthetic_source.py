@@ -4,7 +4,9 @@ Use it to exercise everything downstream of rollout (reward shaping, advantages,
 packing, training) and the runtime itself without an engine: each group has
 ``group_size`` rollouts of one prompt; prompt tokens carry ``policy_version`` -1
 and ``loss_mask`` false, completion tokens carry version 0, a random logprob in
-(-3, 0] and ``loss_mask`` true; ``score`` is 0 or 1.
+(-3, 0] and ``loss_mask`` true; ``score`` is 0 or 1. ``checkpoint_every_batches: k``
+emits ``Barrier(b)`` after every k-th batch (b = batches so far); its state is the
+number of batches emitted, so a resumed run continues with the next one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class SyntheticSource(Source):
         max_new_tokens: int = Field(16, ge=1, description="completion length is 1..this")
         vocab_size: int = Field(1000, ge=2)
         seed: int = 0
-        barrier_every_batches: int = Field(0, ge=0, description="0 = no checkpoint barriers")
+        checkpoint_every_batches: int = Field(0, ge=0, description="0 = no checkpoint barriers")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}
     config: Config
@@ -44,15 +46,23 @@ class SyntheticSource(Source):
     def setup(self) -> None:
         # Replicas draw disjoint groups: replica r emits groups r, r+N, r+2N, ...
         self.schema = make_schema(resolve_fields(WRITES, "SyntheticSource"), "trajectory")
+        self.num_batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_batches": self.num_batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.num_batches = state["num_batches"]
 
     def generate(self) -> Iterator[pa.RecordBatch | Barrier]:
         c, ctx = self.config, self.ctx
         mine = list(range(ctx.replica, c.num_groups, ctx.num_replicas))
-        for b, start in enumerate(range(0, len(mine), c.groups_per_batch)):
+        for start in range(self.num_batches * c.groups_per_batch, len(mine), c.groups_per_batch):
             rows = [row for g in mine[start:start + c.groups_per_batch] for row in self._group(g)]
+            self.num_batches += 1
             yield batch_from_rows(rows, self.schema)
-            if c.barrier_every_batches and (b + 1) % c.barrier_every_batches == 0:
-                yield Barrier(b + 1)
+            if c.checkpoint_every_batches and self.num_batches % c.checkpoint_every_batches == 0:
+                yield Barrier(self.num_batches)
 
     def _group(self, g: int) -> list[dict]:
         c = self.config

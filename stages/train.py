@@ -9,11 +9,18 @@ warmup/decay schedule. Before a step, every generated token's ``policy_version``
 checked against ``max_staleness``; a violation stops the run naming the sample.
 
 After each step it logs one line (``step 12  loss 0.41  reward 0.62  tok/s 812  lag 1
-...``), writes policy metrics (molt.algorithms.metrics, merged over micro-batches
-and ranks) and sends a one-row step record (molt.train.step.STEP_SCHEMA) on ``out``
-for the fused broadcast stage. Stages fused into it get the model through
+... export 0.9s  mem 3.1GB``; export = the previous weight export, mem = peak), writes
+policy metrics (molt.algorithms.metrics, merged over micro-batches and ranks),
+``lag/mean_run`` (mean token staleness so far) and ``tokens_trained``, and sends a
+one-row step record (molt.train.step.STEP_SCHEMA) on ``out`` for the fused broadcast
+stage. Stages fused into it get the model through
 molt.train.handoff; the next step waits for their acknowledgement, so every rank
 runs its collectives in the same order.
+
+Checkpoint (molt.train.checkpoint): at a barrier every rank joins in saving the full
+model (as a loadable HF folder), AdamW state and RNG state; the JSON holds the version.
+A resumed trainer restores them, then sends a resume record (``num_rows`` 0) so the
+fused broadcast re-publishes the restored weights for the engines.
 
     train:
       class: stages.train.Train
@@ -24,15 +31,20 @@ runs its collectives in the same order.
 
 from __future__ import annotations
 
+import resource
 import time
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from pydantic import Field
 
+from molt.checkpoint import read_replica_state
 from molt.schema import batch_from_rows
 from molt.stage import Port, Service, StageConfig
+from molt.train.checkpoint import load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
 from molt.train.optim import OptimConfig, make_optimizer
@@ -74,14 +86,20 @@ class Train(Service):
                              f"term to the loss only; got {c.kl.apply_to!r}; hint: fold KL into the reward "
                              "before the advantage stage")
         torch.manual_seed(c.seed)
-        model = load_policy(resolve_model(c.model), c.temperature, c.chunk_tokens)
+        self.model_dir = resolve_model(c.model)
+        model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
         self.model = shard_policy(model, c.compute_dtype, c.device)
         self.optimizer = make_optimizer(list(self.model.parameters()), c.optim)
         self.version = 0  # optimizer steps taken
+        self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
+        self.resumed = False
         self.handle = policy_handle(self.ctx.stage_id)
         self.handle.model = self.model
 
     async def run(self) -> None:
+        if self.resumed:  # engines get the restored weights before any new rollout
+            await self.send("out", self._record(0, StepResult(0.0, 0.0, 0.0, 0, {}), 0.0, 0, 0.0))
+            await self.handle.wait_acked(self.version - 1)
         while (item := await self.recv("in")) is not None:
             if isinstance(item, Barrier):
                 await self.barrier(item.step)
@@ -99,30 +117,66 @@ class Train(Service):
             raise ValueError(f"stage {self.ctx.stage_id!r}: column 'step' is {expected} but the trainer is at "
                              f"version {self.version}; hint: one pack stage feeds one train stage from step 0")
         lag = check_staleness(batch, self.version, self.config.max_staleness)
+        lag_sum, lag_tokens = _lag_sum(batch, self.version)
+        self.lag_sum, self.lag_tokens = self.lag_sum + lag_sum, self.lag_tokens + lag_tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
         self.version += 1
         seconds = time.monotonic() - start
         reward = _mean_reward(batch)
         self._report(result, reward, lag, seconds)
+        return self._record(batch.num_rows, result, reward, lag, seconds)
+
+    def _record(self, num_rows: int, result: StepResult, reward: float, lag: int, seconds: float) -> pa.RecordBatch:
+        """The one-row step record of the step that made ``self.version`` (STEP_SCHEMA)."""
         return batch_from_rows([{
-            "step": self.version - 1, "policy_version": self.version, "num_rows": batch.num_rows,
+            "step": self.version - 1, "policy_version": self.version, "num_rows": num_rows,
             "num_tokens": result.num_tokens, "num_loss_tokens": int(result.metrics.get("tokens/count", 0)),
             "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "reward_mean": reward,
             "max_lag": lag, "step_seconds": seconds}], STEP_SCHEMA)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "lag_sum": self.lag_sum, "lag_tokens": self.lag_tokens}
+
+    def save_checkpoint(self, folder: Path) -> None:
+        save_train_state(folder / self.ctx.stage_id, self.model, self.optimizer, self.model_dir)
+        super().save_checkpoint(folder)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        state = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]
+        self.version, self.lag_sum, self.lag_tokens = state["version"], state["lag_sum"], state["lag_tokens"]
+        load_train_state(folder / self.ctx.stage_id, self.model, self.optimizer)
+        self.resumed = True
+        self.log.info("resumed at version %d from %s", self.version, folder)
+
     def _report(self, result: StepResult, reward: float, lag: int, seconds: float) -> None:
-        tok_s = result.num_tokens / max(seconds, 1e-9)
+        tok_s, memory_gb = result.num_tokens / max(seconds, 1e-9), _peak_memory_gb(self.config.device)
         if self.ctx.rank == 0:
             self.log.info("step %d  loss %.4f  reward %.3f  tok/s %.0f  lag %d  grad_norm %.3f  lr %.2e  "
-                          "clip %.3f  time %.1fs", self.version - 1, result.loss, reward, tok_s, lag,
-                          result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0)
-                          + result.metrics.get("clip/low_frac", 0.0), seconds)
+                          "clip %.3f  time %.1fs  export %.2fs  mem %.2fGB", self.version - 1, result.loss, reward,
+                          tok_s, lag, result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0)
+                          + result.metrics.get("clip/low_frac", 0.0), seconds, self.handle.export_seconds, memory_gb)
+        self.metrics.count("tokens_trained", result.num_tokens)
         self.metrics.log({**result.metrics, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                           "reward/mean": reward, "lag/max": lag, "tokens_per_s": tok_s, "step_seconds": seconds,
+                          "lag/mean_run": self.lag_sum / max(self.lag_tokens, 1), "peak_memory_gb": memory_gb,
                           "policy_version": self.version}, step=self.version - 1)
 
     def close(self) -> None:
         drop_handle(self.ctx.stage_id)
+
+
+def _lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
+    """Sum over generated tokens (loss_mask) of ``version - policy_version``, and their count."""
+    versions = pc.list_flatten(batch.column("policy_version")).to_numpy(zero_copy_only=False)
+    mask = pc.list_flatten(batch.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
+    return float((version - versions[mask]).sum()), int(mask.sum())
+
+
+def _peak_memory_gb(device: str) -> float:
+    """Peak memory of this rank: CUDA allocator peak on GPU, else the process's peak RSS."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 def _mean_reward(batch: pa.RecordBatch) -> float:

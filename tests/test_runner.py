@@ -135,8 +135,8 @@ def test_a_declared_feedback_edge_still_drains(tmp_path, no_orphans):
 
 def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, no_orphans):
     pytest.importorskip("torch")
-    spec = {"name": "grp", "stages": {
-        "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 2, "barrier_every_batches": 1}},
+    spec = {"name": "grp", "keep_checkpoints": None, "stages": {
+        "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 2, "checkpoint_every_batches": 1}},
         "total": {"class": "tests.doubles.stages.GroupTotal", "world_size": 2},
         "tap": {"class": "tests.doubles.stages.Counter", "colocate_with": "total"},
         "sink": {"class": SINK}},
@@ -147,9 +147,12 @@ def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, n
     rows = recorded_rows(tmp_path / "run", "total.out--sink.in")
     assert len(rows) == 24
     assert {r["group_total"] for r in rows} == {16}, "each rank saw the 8-row batch: 2 x 8"
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_3" / "tap.0.json").read_text())
-    assert state == {"rows": 24}
-    assert json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "tap.0.json").read_text()) == {"rows": 8}
+    state = json.loads((tmp_path / "run" / "checkpoints" / "barrier_3" / "tap.0.json").read_text())
+    assert state == {"state": {"rows": 24}, "recorded": {}}
+    assert json.loads((tmp_path / "run" / "checkpoints" / "barrier_1" / "tap.0.json").read_text())["state"] == {
+        "rows": 8}
+    total = json.loads((tmp_path / "run" / "checkpoints" / "barrier_2" / "total.0.json").read_text())
+    assert total["recorded"] == {"total.out->sink.in": 2}, "rank 0 had recorded two batches at barrier 2"
 
 
 def test_tcp_edges_bind_to_loopback(tmp_path, no_orphans):

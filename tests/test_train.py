@@ -1,4 +1,4 @@
-"""Trainer: packed logprobs, split invariance, world size 1 vs 2, staleness, export, the RL loop."""
+"""Trainer: packed logprobs and attention, split invariance, world size 1 vs 2, staleness, export, the RL loop."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from molt.recording import read_batches
 from molt.schema import batch_from_rows
 from molt.stage import StageContext
 from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state_dict, train_step
+from molt.train.attention import packed_sdpa, row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
 from molt.train.model import load_policy, shard_policy
 from molt.train.optim import make_optimizer
@@ -74,13 +75,14 @@ def test_a_packed_row_gives_the_same_logprobs_as_the_row_alone(tiny_chat_model):
     torch.testing.assert_close(alone_b[1:], reference, atol=1e-5, rtol=0)
 
 
-def test_chunked_logprobs_match_full_vocab_autograd_in_value_and_gradient():
+@pytest.mark.parametrize("chunk_tokens", [3, 7, 100])  # last chunk of 1; one chunk, exact; one chunk, larger
+def test_chunked_logprobs_match_full_vocab_autograd_in_value_and_gradient(chunk_tokens):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=gen, requires_grad=True)
     weight = torch.randn(11, 5, generator=gen, requires_grad=True)
     targets = torch.randint(0, 11, (7,), generator=gen)
     upstream = torch.randn(7, generator=gen)
-    ours = target_logprobs(hidden, weight, targets, 0.7, chunk_tokens=3)
+    ours = target_logprobs(hidden, weight, targets, 0.7, chunk_tokens=chunk_tokens)
     (ours * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad, weight.grad = None, None
@@ -90,6 +92,80 @@ def test_chunked_logprobs_match_full_vocab_autograd_in_value_and_gradient():
     torch.testing.assert_close(grads, (hidden.grad, weight.grad))
     with pytest.raises(ValueError, match="temperature"):
         target_logprobs(hidden, weight, targets, 0.0)
+
+
+def test_bfloat16_logprobs_project_in_float32_and_return_bfloat16_gradients():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 5, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(11, 5, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    ours = target_logprobs(hidden, weight, targets, 0.7, chunk_tokens=4)
+    ours.sum().backward()
+    ref_h, ref_w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = torch.log_softmax(ref_h @ ref_w.t() / 0.7, -1).gather(-1, targets[:, None])[:, 0]
+    ref.sum().backward()
+    assert ours.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden.grad.float(), ref_h.grad, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(weight.grad.float(), ref_w.grad, atol=2e-2, rtol=1e-2)
+
+
+def test_row_lengths_follow_the_position_restarts():
+    assert row_lengths(torch.tensor([0, 1, 2, 0, 1])) == [3, 2]
+    assert row_lengths(torch.tensor([0, 0, 0])) == [1, 1, 1]
+    assert row_lengths(torch.arange(6)) == [6]
+    assert row_lengths(torch.tensor([4, 5, 0])) == [2, 1]  # a jump that is not a restart to 0 also starts a row
+
+
+def test_packed_attention_equals_sdpa_with_the_block_diagonal_mask_in_value_and_gradient():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True  # 4 query heads on 2 kv heads
+    q = torch.randn(1, 4, 9, 8, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 9, 8, generator=gen, requires_grad=True)
+    v = torch.randn(1, 2, 9, 8, generator=gen, requires_grad=True)
+    upstream = torch.randn(1, 9, 4, 8, generator=gen)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    ours = packed_sdpa(module, q, k, v, None, position_ids=position_ids, scaling=8 ** -0.5)[0]
+    (ours * upstream).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    row = torch.tensor([0] * 4 + [1] * 2 + [2] * 3)
+    mask = (row[:, None] == row[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()  # [S, S] block-diagonal causal
+    ref = sdpa_attention_forward(module, q, k, v, mask[None, None], scaling=8 ** -0.5)[0]
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grads, [t.grad for t in (q, k, v)])
+
+
+def test_the_policy_uses_packed_attention_and_keeps_padding_masks(tiny_chat_model):
+    from transformers import LlamaConfig, MistralConfig
+
+    model = load_policy(tiny_chat_model, TEMPERATURE)
+    assert model.lm.config._attn_implementation == "molt_packed_sdpa"
+    ids = torch.randint(3, 49152, (2, 6), generator=torch.Generator().manual_seed(0))
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        ours = model.lm(input_ids=ids, attention_mask=padding).logits
+        model.lm.set_attn_implementation("sdpa")
+        ref = model.lm(input_ids=ids, attention_mask=padding).logits
+    torch.testing.assert_close(ours, ref)
+    assert supports_packed_sdpa(LlamaConfig())
+    assert not supports_packed_sdpa(MistralConfig(sliding_window=64)), "a sliding window needs a mask"
+
+
+def test_one_rank_in_float32_is_left_unwrapped_and_bfloat16_is_sharded(tiny_chat_model):
+    from torch.distributed.tensor import DTensor
+
+    plain = shard_policy(load_policy(tiny_chat_model, TEMPERATURE))
+    assert not any(isinstance(p, DTensor) for p in plain.parameters())
+    groups = random_groups()
+    fp32, _ = train_once(tiny_chat_model, step_batch(groups))
+    bf16, weights = train_once(tiny_chat_model, step_batch(groups), compute_dtype="bfloat16")
+    assert bf16.loss == pytest.approx(fp32.loss, rel=0.05) and weights["model.norm.weight"].dtype == torch.float32
 
 
 def test_one_two_or_four_micro_batches_give_the_same_loss_and_weights(tiny_chat_model):
@@ -189,17 +265,37 @@ def rl_pipeline(model, world_size):
                   {"from": "broadcast.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]}
 
 
+def with_evaluation(spec, model):
+    """``rl_pipeline`` plus a held-out evaluation of every version (8 problems, transformers engine)."""
+    spec["stages"]["evaluate"] = {"class": "stages.evaluate.Evaluate", "config": {
+        "model": str(model), "engine": {"type": "transformers"}, "max_new_tokens": 4,
+        "task": {"type": "arithmetic", "split": "eval", "num_problems": 8}}}
+    spec["stages"]["eval_sink"] = {"class": SINK}
+    spec["edges"] += [{"from": "broadcast.weights", "to": "evaluate.weights", "kind": "broadcast"},
+                      {"from": "evaluate", "to": "eval_sink", "record": True}]
+    return spec
+
+
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_the_rl_loop_trains_publishes_and_refits_through_the_real_runner(
+def test_the_rl_loop_trains_publishes_refits_and_evaluates_through_the_real_runner(
         tiny_chat_model, tmp_path, world_size, no_orphans):
-    before = {p for p in os.listdir("/dev/shm") if p.startswith("molt-weights-")}
-    code, summary = run_spec(rl_pipeline(tiny_chat_model, world_size), tmp_path / "run")
+    before = {p for p in os.listdir("/dev/shm") if p.startswith(("molt-weights-", "molt-eval-"))}
+    code, summary = run_spec(with_evaluation(rl_pipeline(tiny_chat_model, world_size), tiny_chat_model),
+                             tmp_path / "run")
     assert code == 0, summary.get("error")
+    evals = [r for b in read_batches(tmp_path / "run" / "record" / "evaluate.out--eval_sink.in")
+             for r in b.to_pylist()]
+    assert [r["policy_version"] for r in evals][0] == 0 and evals[-1]["policy_version"] == 2, "initial and final"
+    for r in evals:
+        p = r["accuracy"]
+        assert r["num_problems"] == 8 and r["accuracy_stderr"] == pytest.approx((p * (1 - p) / 8) ** 0.5)
+    assert summary["metrics"]["evaluate/accuracy_baseline"] == evals[0]["accuracy"]
     steps = [r for b in read_batches(tmp_path / "run" / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
     assert [r["step"] for r in steps] == [0, 1] and [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["max_lag"] <= 1 and r["num_rows"] == 4 and r["grad_norm"] > 0 for r in steps)
     assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"
     log = (tmp_path / "run" / "logs" / "train.0.log").read_text()
     assert "step 1  loss" in log and "tok/s" in log
-    assert {p for p in os.listdir("/dev/shm") if p.startswith("molt-weights-")} <= before, "weight files removed"
+    assert {p for p in os.listdir("/dev/shm") if p.startswith(("molt-weights-", "molt-eval-"))} <= before, \
+        "weight files removed"
     assert json.loads((tmp_path / "run" / "status" / "sink.0.json").read_text())["state"] == "done"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 BUDGET_FILE_LINES = 420  # largest single file
 BUDGET_FUNCTION_LINES = 60  # largest single function (STYLE: 90th percentile 40-60)
-BUDGET_TOTAL_LINES = 9000  # molt/ + stages/
+BUDGET_TOTAL_LINES = 10600  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit)
 ROOTS = ("molt", "stages")
 
 

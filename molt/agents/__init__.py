@@ -2,5 +2,5 @@
 
 from molt.agents.base import AgentError, Env, Message, Result, SingleTurn
 from molt.agents.chat import ChatTemplate
-from molt.agents.episode import Episode, Segment, episode_rows, run_episode
+from molt.agents.episode import Episode, Segment, episode_rows, run_episode, run_group
 from molt.agents.openai_server import ChatAgent, ChatServer

@@ -15,8 +15,10 @@ episode with no budget left ends as truncated (finish_reason ``length``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molt.agents.base import AgentError, Env, Message
@@ -136,3 +138,30 @@ def episode_rows(ep: Episode, prompt_id: str, rollout_id: str, task: dict[str, A
             row["score"] = ep.score
         rows.append(row)
     return rows
+
+
+async def run_group(episode: Callable[[str], Awaitable[Episode]], prompt_id: str, task: dict[str, Any],
+                    index: int, group_size: int,
+                    with_score: bool) -> tuple[list[dict[str, Any]], list[tuple[str, Exception]]]:
+    """Run the ``group_size`` rollouts of one prompt concurrently (``episode(rollout_id)``).
+
+    Rollout ids are ``{prompt_id}#{index}/{k}`` (``index``: the group's admission
+    number, so ids never repeat). Returns the rows of the rollouts that finished
+    (`episode_rows`) and ``(rollout_id, error)`` of those that failed with an
+    :class:`AgentError` or ``ValueError`` (e.g. a prompt over the context window).
+
+    Raises:
+        BaseException: any other error of a rollout (an engine failure fails the stage).
+    """
+    ids = [f"{prompt_id}#{index}/{k}" for k in range(group_size)]
+    results = await asyncio.gather(*(episode(rid) for rid in ids), return_exceptions=True)
+    rows: list[dict[str, Any]] = []
+    failed: list[tuple[str, Exception]] = []
+    for rid, ep in zip(ids, results):
+        if isinstance(ep, (AgentError, ValueError)):
+            failed.append((rid, ep))
+        elif isinstance(ep, BaseException):
+            raise ep
+        else:
+            rows += episode_rows(ep, prompt_id, rid, task, group_size, with_score)
+    return rows, failed

@@ -46,6 +46,13 @@ class RecordSet:
         return self.records[index]
 
 
+def read_prompts(batch: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(prompt_id, task)`` of each row of a prompt batch (columns ``prompt_id`` and
+    ``metadata``, the task's JSON, as the dataset source writes them; null -> {})."""
+    return list(zip(batch.column("prompt_id").to_pylist(),
+                    (json.loads(m) if m else {} for m in batch.column("metadata").to_pylist())))
+
+
 def user_messages(content: str) -> list[dict[str, str]]:
     """A one-turn chat: ``[{"role": "user", "content": content}]``."""
     return [{"role": "user", "content": content}]

@@ -30,6 +30,7 @@ class PolicyHandle:
     consumers: int = 0
     acks: dict[int, int] = field(default_factory=dict)  # step -> consumers that acked it
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    export_seconds: float = 0.0  # the last weight export's duration (set by the broadcast)
 
     def ack(self, step: int) -> None:
         """A consumer finished its work (and collectives) for ``step``."""

@@ -1,0 +1,126 @@
+"""``molt plot RUN_DIR``: PNG curves of a run from its ``metrics.jsonl`` (matplotlib).
+
+Writes into ``RUN_DIR/plots/``:
+
+* ``reward.png``       mean reward of each train step (``train/reward/mean``)
+* ``eval.png``         held-out accuracy per policy version with one standard error
+                       (``*/accuracy``, ``*/accuracy_stderr`` of an evaluate stage)
+* ``logprob_diff.png`` |trainer - rollout| logprob of the trained tokens per step, mean
+                       and max (``train/logprob_diff/abs_mean``, ``abs_max``)
+* ``staleness.png``    histogram of the steps' largest token lag (``train/lag/max``):
+                       version trained at minus version generated with
+* ``time.png``         seconds spent per stage, summed over the run: train steps,
+                       weight export, refits, evaluations, generation wall time
+
+A figure whose metrics the run does not have is skipped (and not listed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Series = dict[str, list[tuple[float, float]]]  # metric key -> [(step or NaN, value)]
+
+
+def read_series(run_dir: Path) -> Series:
+    """Every metric value, in file order, from ``RUN_DIR/metrics.jsonl`` (step NaN when none).
+
+    Raises:
+        ValueError: the run has no ``metrics.jsonl``.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; hint: molt plot takes a run directory made by molt run")
+    series: Series = defaultdict(list)
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        step = float("nan") if entry.get("step") is None else float(entry["step"])
+        for key, value in entry["values"].items():
+            series[key].append((step, float(value)))
+    return series
+
+
+def _ending(series: Series, suffix: str) -> list[str]:
+    return sorted(k for k in series if k.endswith(suffix))
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write the figures of the module docstring; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    series = read_series(run_dir)
+    out = Path(run_dir) / "plots"
+    out.mkdir(exist_ok=True)
+    written = []
+    for name, draw in (("reward", _reward), ("eval", _eval), ("logprob_diff", _logprob_diff),
+                       ("staleness", _staleness), ("time", _time)):
+        figure = draw(series)
+        if figure is not None:
+            figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+            written.append(out / f"{name}.png")
+    return written
+
+
+def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 3.5))
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    return figure, ax
+
+
+def _lines(series: Series, keys: Sequence[str], title: str, ylabel: str) -> Any:
+    if not keys:
+        return None
+    figure, ax = _figure(title, "train step", ylabel)
+    for key in keys:
+        ax.plot(*zip(*series[key]), marker=".", label=key)
+    ax.legend(fontsize=7)
+    return figure
+
+
+def _reward(series: Series) -> Any:
+    return _lines(series, [k for k in ("train/reward/mean",) if k in series], "reward", "mean reward")
+
+
+def _logprob_diff(series: Series) -> Any:
+    keys = [k for k in ("train/logprob_diff/abs_mean", "train/logprob_diff/abs_max") if k in series]
+    return _lines(series, keys, "trainer vs rollout logprobs", "|difference| (nats)")
+
+
+def _eval(series: Series) -> Any:
+    keys = [k for k in _ending(series, "/accuracy") if f"{k}_stderr" in series]
+    if not keys:
+        return None
+    figure, ax = _figure("held-out accuracy (greedy), +- 1 s.e.", "policy version", "accuracy")
+    for key in keys:
+        (steps, values), (_, errors) = zip(*series[key]), zip(*series[f"{key}_stderr"])
+        ax.errorbar(steps, values, yerr=errors, marker="o", capsize=3, label=key)
+    ax.legend(fontsize=7)
+    return figure
+
+
+def _staleness(series: Series) -> Any:
+    if "train/lag/max" not in series:
+        return None
+    figure, ax = _figure("staleness per step", "largest token lag (versions)", "train steps")
+    lags = [int(v) for _, v in series["train/lag/max"]]
+    ax.hist(lags, bins=range(min(lags), max(lags) + 2), align="left", rwidth=0.8)
+    return figure
+
+
+def _time(series: Series) -> Any:
+    parts = {"train steps": "train/step_seconds", "weight export": "broadcast/export_seconds",
+             "refits": "rollout/refit_seconds", "evaluations": "evaluate/seconds"}
+    totals = {label: sum(v for _, v in series[key]) for label, key in parts.items() if key in series}
+    if not totals:
+        return None
+    figure, ax = _figure("time per stage (summed over the run)", "", "seconds")
+    ax.bar(list(totals), list(totals.values()))
+    return figure

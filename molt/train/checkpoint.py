@@ -1,0 +1,107 @@
+"""Saving and restoring the trainer's part of a pipeline checkpoint (molt.checkpoint).
+
+In a checkpoint folder, for a train stage with id ``train``::
+
+    train/                  a Hugging Face model folder: the model folder's config and
+                            tokenizer files + model.safetensors (HF names, tied
+                            embeddings stored once), loadable by an engine as is
+    train/optimizer.pt      the full AdamW state keyed by parameter name (torch.save)
+    train/rng.rank{r}.pt    torch's RNG state of rank r
+    train.0.json            written last by the stage: {"state": {"version": k}, ...}
+
+The learning-rate schedule is a function of the version (molt.train.optim.set_lr), so
+restoring the version restores the schedule exactly. State dicts are full (unsharded):
+gathered with ``get_state_dict(full_state_dict=True, cpu_offload=True)`` (a
+collective; rank 0 writes) and restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``
+(``full_state_dict=True, broadcast_from_rank0=True``), so a run may resume at another world size. Every file
+is written under a temporary name and renamed, then all ranks meet at a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from molt.train.model import PolicyModel, export_names
+
+
+def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
+    """Write model, optimizer and RNG state into ``folder`` (a collective: call on every rank).
+
+    ``model_dir`` is the HF folder the policy was loaded from (its config and
+    tokenizer files are copied, so ``folder`` is a loadable model folder).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank = dist.get_rank()
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+    torch.save(rng, folder / f".rng.rank{rank}.tmp")
+    os.replace(folder / f".rng.rank{rank}.tmp", folder / f"rng.rank{rank}.pt")
+    if rank == 0:
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy(f, folder / f.name)
+        names = export_names(model)
+        weights = {names[k]: cast(torch.Tensor, v).contiguous() for k, v in model_state.items() if k in names}
+        save_file(weights, str(folder / ".model.tmp"), metadata={"format": "pt"})
+        os.replace(folder / ".model.tmp", folder / "model.safetensors")
+        torch.save(optim_state, folder / ".optimizer.tmp")
+        os.replace(folder / ".optimizer.tmp", folder / "optimizer.pt")
+    dist.barrier()
+
+
+def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> None:
+    """Restore what `save_train_state` wrote (a collective: call on every rank).
+
+    Raises:
+        ValueError: a file is missing, or the weights' names differ from the model's.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    rank = dist.get_rank()
+    for name in ("model.safetensors", "optimizer.pt"):
+        if not (folder / name).is_file():
+            raise ValueError(f"checkpoint {folder}: no {name}; hint: the checkpoint is incomplete, resume "
+                             "from another one")
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
+    if rank == 0:
+        model_state = _model_state(folder / "model.safetensors", model)
+        optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
+    # Two calls, not set_state_dict: given an empty model dict (ranks > 0) it would skip the
+    # model's broadcast that rank 0 joins.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    rng_path = folder / f"rng.rank{rank}.pt"
+    if rng_path.is_file():  # absent when resuming on more ranks than saved
+        rng = torch.load(rng_path, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _model_state(path: Path, model: PolicyModel) -> dict[str, torch.Tensor]:
+    """The wrapper-named state dict of an HF-named safetensors file (tied head re-added)."""
+    hf_to_fqn = {hf: fqn for fqn, hf in export_names(model).items()}
+    with safe_open(str(path), framework="pt") as handle:
+        names = set(handle.keys())
+        if names != set(hf_to_fqn):
+            diff = sorted(names ^ set(hf_to_fqn))
+            raise ValueError(f"checkpoint {path}: tensor names differ from the model's, e.g. {diff[:3]}; "
+                             "hint: resume with the model the run was started with")
+        state = {hf_to_fqn[n]: handle.get_tensor(n) for n in names}
+    if "lm.lm_head.weight" in model.state_dict() and "lm.lm_head.weight" not in state:
+        state["lm.lm_head.weight"] = state["lm.model.embed_tokens.weight"]  # tied embeddings
+    return state

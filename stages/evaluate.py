@@ -1,0 +1,162 @@
+"""Evaluate: held-out greedy accuracy of the policy, before training and every k versions.
+
+Runs its own engine (vLLM by default) on the policy's model and listens to the weight
+broadcast on ``weights`` (a ``kind: broadcast`` edge from the broadcast stage). It
+evaluates the initial weights at start, then every published version ``v`` with
+``v % every_versions == 0`` (the newest such one when several wait), and at end of
+stream the last version it saw if that was not evaluated yet (the final accuracy).
+Each refit is verified like the rollout's (molt.engines.weights.apply_weight_record).
+
+One evaluation: every problem of ``task`` (e.g. the arithmetic ``eval`` split, which
+never overlaps ``train``), one greedy completion each (``max_new_tokens``), graded by
+``grader`` against the task's answer. It logs, at step = policy version (keys prefixed
+by the stage id, e.g. ``evaluate/accuracy``)::
+
+    accuracy           p = correct / n
+    accuracy_stderr    sqrt(p (1 - p) / n)   (binomial standard error of p)
+    accuracy_baseline  p of the first evaluation (version 0 in a fresh run)
+    num_problems, policy_version, seconds
+
+and sends one row per evaluation on ``out`` (EVAL_SCHEMA). Example: 500 problems, 120
+right -> accuracy 0.24, stderr sqrt(0.24 * 0.76 / 500) = 0.019.
+
+Weight files: a record's file is hard-linked into this stage's own folder as it
+arrives, so the broadcast's pruning (``keep_versions``) or its exit cannot delete the
+weights of a version still to be evaluated.
+
+    evaluate:
+      class: stages.evaluate.Evaluate
+      config: {task: {type: arithmetic, split: eval, num_problems: 500}, every_versions: 4}
+    edges:
+      - {from: broadcast.weights, to: evaluate.weights, kind: broadcast}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pydantic import Field
+
+from molt.agents import ChatTemplate, SingleTurn, run_episode
+from molt.engines.base import SamplingParams
+from molt.engines.config import EngineConfig, make_engine
+from molt.engines.weights import apply_weight_record
+from molt.graders import GraderConfig, MathGrader
+from molt.schema import batch_from_rows, make_schema
+from molt.stage import Port, Service, StageConfig
+from molt.tasks import TaskConfig
+
+EVAL_SCHEMA = make_schema([
+    pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
+    pa.field("accuracy", pa.float64(), metadata={b"doc": b"fraction of problems answered right, greedy"}),
+    pa.field("accuracy_stderr", pa.float64(), metadata={b"doc": b"binomial standard error sqrt(p(1-p)/n)"}),
+    pa.field("num_problems", pa.int64(), metadata={b"doc": b"problems evaluated"}),
+    pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
+], "eval")
+
+
+class Evaluate(Service):
+    """Weight-version records in; one evaluation row out per evaluated version."""
+
+    class Config(StageConfig):
+        task: TaskConfig = Field(description="held-out problems, e.g. {type: arithmetic, split: eval}")
+        model: str = Field("smollm2-135m-instruct", description="the policy's initial model (as the rollout's)")
+        engine: EngineConfig = Field(default_factory=EngineConfig)
+        every_versions: int = Field(1, ge=1, description="evaluate versions divisible by this")
+        max_new_tokens: int = Field(24, ge=1, description="per completion")
+        grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
+                                     description="{type: math} or {type: exact}")
+
+    config: Config
+    inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(schema=EVAL_SCHEMA)}
+
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from molt.models import resolve_model
+
+        c = self.config
+        task = c.task.load()
+        if task.num_records is None:
+            raise ValueError(f"stages.{self.ctx.stage_id}.config.task: evaluation needs a finite task; got an "
+                             "endless stream; hint: set task.num_problems")
+        self.problems = [task.record(i) for i in range(task.num_records)]
+        model_dir = resolve_model(c.model)
+        self.chat = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
+        self.engine = make_engine(c.engine, str(model_dir))
+        self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
+        self.folder = Path(tempfile.mkdtemp(prefix="molt-eval-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self.evaluated: list[int] = []
+        self.log.info("%d held-out problems, every %d versions", len(self.problems), c.every_versions)
+
+    async def run(self) -> None:
+        await self.evaluate()
+        last: dict[str, Any] | None = None
+        while (item := await self.recv("weights")) is not None:
+            # 1) the newest record waiting  2) keep its file  3) load + evaluate if due
+            if not isinstance(item, pa.RecordBatch):
+                continue
+            await self.ctx.inputs["weights"].drain_nowait()  # type: ignore[attr-defined]
+            newest = self.ctx.inputs["weights"].latest() or item  # type: ignore[attr-defined]
+            last = self._keep(newest.to_pylist()[-1], last)
+            if last["policy_version"] % self.config.every_versions == 0:
+                await self._load_and_evaluate(last)
+        # 4) end of stream: the final version
+        if last is not None and last["policy_version"] not in self.evaluated:
+            await self._load_and_evaluate(last)
+
+    def _keep(self, record: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Hard-link the record's weight file into our folder; drop the previous link."""
+        source = Path(record["uri"].removeprefix("file://"))
+        link = self.folder / f"v{record['policy_version']}.safetensors"
+        if not link.exists():
+            try:
+                os.link(source, link)
+            except OSError:  # another file system: copy instead
+                shutil.copy(source, link)
+        if previous is not None and previous["uri"] != f"file://{link}":
+            Path(previous["uri"].removeprefix("file://")).unlink(missing_ok=True)
+        return {**record, "uri": f"file://{link}"}
+
+    async def _load_and_evaluate(self, record: dict[str, Any]) -> None:
+        await apply_weight_record(self.engine, record)
+        await self.evaluate()
+
+    async def evaluate(self) -> float:
+        """Greedy accuracy of the engine's current weights on every problem; logs and sends it."""
+        start, version = time.monotonic(), self.engine.policy_version
+        results = await asyncio.gather(*(self._solve(i, p) for i, p in enumerate(self.problems)))
+        n, accuracy = len(results), sum(results) / max(len(results), 1)
+        stderr = math.sqrt(accuracy * (1 - accuracy) / max(n, 1))
+        seconds = time.monotonic() - start
+        values = {"accuracy": accuracy, "accuracy_stderr": stderr, "num_problems": n, "policy_version": version,
+                  "seconds": seconds}
+        if not self.evaluated:
+            values["accuracy_baseline"] = accuracy
+        self.evaluated.append(version)
+        self.metrics.log(values, step=version)
+        self.log.info("eval version %d: accuracy %.3f +- %.3f (%d problems, %.1fs)", version, accuracy, stderr, n,
+                      seconds)
+        await self.send("out", batch_from_rows([{k: values[k] for k in EVAL_SCHEMA.names}], EVAL_SCHEMA))
+        return accuracy
+
+    async def _solve(self, index: int, problem: dict[str, Any]) -> float:
+        request_id = f"eval-v{self.engine.policy_version}-{index}"
+        episode = await run_episode(self.engine, self.chat, SingleTurn(), problem, self.params, request_id,
+                                    1, self.config.engine.max_model_len)
+        return self.config.grader.grade(episode.completion_text, str(problem["answer"])).score
+
+    def close(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        if getattr(self, "folder", None) is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
