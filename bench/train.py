@@ -11,7 +11,8 @@ same PPO loss, clip, step. Each side runs in its own spawned process (so peak RS
 own): ``--warmup`` steps, then ``--steps`` timed steps; the two sides alternate
 ``--repeats`` times and each keeps its fastest step (other load on the host only slows a
 step down); the median and slowest step and the process CPU seconds are printed too.
-Run: ``python bench/train.py [--rows 4 --tokens 128]``.
+Run: ``python bench/train.py [--rows 4 --tokens 128]``; on a GPU ``--device cuda --dtype
+bfloat16`` (peak memory is then the CUDA allocator's; the baseline runs under autocast).
 Ends with ``ratio train R (molt X tok/s / baseline Y tok/s)``.
 """
 
@@ -58,7 +59,7 @@ def molt_side(args: argparse.Namespace) -> list[tuple[float, float]]:
                 StageContext("pack"))
     pack.setup()
     batch = pack.place([batch_from_rows(rows, schema)])
-    model = shard_policy(load_policy(resolve_model("smollm2-135m-instruct"), TEMPERATURE), args.dtype)
+    model = shard_policy(load_policy(resolve_model(args.model), TEMPERATURE), args.dtype, args.device)
     optim = OptimConfig(lr=1e-6)
     optimizer = make_optimizer(list(model.parameters()), optim)
     return timed(lambda k: train_step(model, optimizer, batch, ObjectiveConfig(), optim, k), args)
@@ -69,16 +70,16 @@ def baseline_side(args: argparse.Namespace) -> list[tuple[float, float]]:
     from transformers import AutoModelForCausalLM
 
     rows = make_rows(args)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32).to(args.device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)  # as OptimConfig()
-    ids = torch.tensor([r["token_ids"] for r in rows])  # [B, T]
-    mask = torch.tensor([r["loss_mask"] for r in rows])[:, 1:]
-    old = torch.tensor([r["rollout_logprobs"] for r in rows])[:, 1:]
-    adv = torch.tensor([r["advantages"] for r in rows])[:, 1:]
+    ids = torch.tensor([r["token_ids"] for r in rows], device=args.device)  # [B, T]
+    mask = torch.tensor([r["loss_mask"] for r in rows], device=args.device)[:, 1:]
+    old = torch.tensor([r["rollout_logprobs"] for r in rows], device=args.device)[:, 1:]
+    adv = torch.tensor([r["advantages"] for r in rows], device=args.device)[:, 1:]
 
     def step(_: int) -> None:
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+        autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
         with autocast:
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
         logp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -99,6 +100,8 @@ def timed(step, args: argparse.Namespace) -> list[tuple[float, float]]:  # type:
     for k in range(args.steps):
         start, cpu = time.perf_counter(), time.process_time()
         step(args.warmup + k)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start, time.process_time() - cpu))
     return times
 
@@ -106,7 +109,9 @@ def timed(step, args: argparse.Namespace) -> list[tuple[float, float]]:  # type:
 def child(side: str, args: argparse.Namespace, queue: mp.Queue) -> None:
     torch.set_num_threads(args.threads)
     times = molt_side(args) if side == "molt" else baseline_side(args)
-    queue.put((times, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda")
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    queue.put((times, peak))
 
 
 def run(side: str, args: argparse.Namespace) -> tuple[list[tuple[float, float]], float]:
@@ -134,6 +139,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (FSDP2 on a one-rank NCCL group)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF folder")
     parser.add_argument("--repeats", type=int, default=2, help="alternate the sides; keep each side's fastest step")
     args = parser.parse_args()
     tokens = args.rows * args.tokens
@@ -149,7 +156,7 @@ def main() -> None:
         walls = sorted(t[0] for t in times)
         print(f"{side:8s} {best[side]:7.2f} s/step (median {walls[len(walls) // 2]:.2f}, max {walls[-1]:.2f} "
               f"of {len(walls)})  {tokens / best[side]:7.1f} tok/s  cpu {min(t[1] for t in times):6.2f} s/step  "
-              f"peak RSS {peaks[side]:7.0f} MiB")
+              f"peak {'GPU' if args.device.startswith('cuda') else 'RSS'} {peaks[side]:7.0f} MiB")
     ours, base = tokens / best["molt"], tokens / best["baseline"]
     print(f"ratio train {ours / base:.2f} (molt {ours:.1f} tok/s / baseline {base:.1f} tok/s)")
 

@@ -64,7 +64,7 @@ class Train(Service):
         max_staleness: int | None = Field(None, ge=0, description="refuse older tokens; None = unchecked")
         compute_dtype: Literal["float32", "bfloat16"] = Field(
             "float32", description="FSDP2 compute dtype; master weights, reduction and AdamW stay fp32")
-        device: str = Field("cpu", description="cpu (gloo) or cuda (nccl, unverified)")
+        device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         seed: int = 0
         optim: OptimConfig = Field(default_factory=OptimConfig)

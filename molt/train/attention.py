@@ -12,6 +12,12 @@ and runs transformers' own ``sdpa_attention_forward`` with ``is_causal`` on each
 a row's attention is computed exactly as if it were alone; the outputs are concatenated.
 Given a padding mask (never in packed training) it is plain ``sdpa``, mask included.
 
+On CUDA in bf16/fp16, with torch's ``torch.nn.attention.varlen.varlen_attn`` (Flash
+Attention over cumulative row offsets, PyTorch >= 2.10), the whole packed sequence is one
+varlen kernel call instead of one SDPA call per row. `PolicyModel` passes the row lengths
+as the keyword ``molt_row_lengths`` (transformers forwards extra keywords to the attention
+function), so no layer reads ``position_ids`` back from the device.
+
 It is registered with transformers as the attention implementation ``molt_packed_sdpa``
 together with a mask function that builds no mask unless a padding mask is given.
 `supports_packed_sdpa` keeps models whose masks carry more than causality and padding
@@ -49,16 +55,63 @@ def packed_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.pop("position_ids", None)
+    lengths = kwargs.pop("molt_row_lengths", None)
     kwargs.pop("is_causal", None)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[0] == 1 and _varlen():
+        return _varlen_rows(module, query, key, value, lengths or row_lengths(position_ids[0])), None
     outputs = []
     for b in range(query.shape[0]):
-        lengths = row_lengths(position_ids[min(b, position_ids.shape[0] - 1)])
+        if lengths is None or query.shape[0] > 1:
+            lengths = row_lengths(position_ids[min(b, position_ids.shape[0] - 1)])
         rows = zip(*(t[b:b + 1].split(lengths, dim=2) for t in (query, key, value)))
         outputs.append(torch.cat([sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
                                   for q, k, v in rows], dim=1))
     return torch.cat(outputs), None
+
+
+def _varlen() -> Any:
+    """torch's ``varlen_attn`` (PyTorch >= 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_rows(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, lengths: list[int]) -> Tensor:
+    """Causal attention [1, S, H, D] of the packed rows of query [1, H, S, D], key/value [1, H_kv, S, D]
+    in one ``varlen_attn`` call (cumulative row offsets ``cu`` [R + 1], int32).
+
+    Keyword names differ across PyTorch releases (2.10: ``is_causal``; later: ``window_size``,
+    ``scale``, ``enable_gqa``), so the call is built from the signature; without ``enable_gqa``
+    each key/value head is repeated for its query heads, as transformers' ``repeat_kv`` does.
+
+    Raises:
+        ValueError: the module's softmax scale is not 1/sqrt(D) and this PyTorch's ``varlen_attn``
+            takes no ``scale``.
+    """
+    import inspect
+
+    varlen_attn = _varlen()
+    params = inspect.signature(varlen_attn).parameters
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H or H_kv, D]
+    scale = getattr(module, "scaling", None)
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+        raise ValueError(f"attention scale {scale} is not 1/sqrt(head size); torch {torch.__version__}'s "
+                         "varlen_attn takes no scale")
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+    longest = max(lengths)
+    return varlen_attn(q, k, v, offsets, offsets, longest, longest, **kwargs)[None]  # type: ignore[no-any-return]
 
 
 def _packed_mask(*, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:

@@ -12,13 +12,14 @@ size to get the summed gradient (molt.algorithms.aggregation).
 Process group: under torchrun the worker has already called
 ``init_process_group``; in a single process (world size 1, tests, bench)
 `ensure_process_group` starts a one-rank gloo group on an in-memory store.
-Devices: CPU with gloo (tested); CUDA with NCCL (``device: cuda``) follows the
-FSDP2 docs and is unverified here.
+Devices: CPU with gloo; CUDA with NCCL (``device: cuda``: rank r on GPU LOCAL_RANK),
+tested at world size 1 on one GPU (tests/test_gpu_train.py, marker ``gpu``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import cast
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from molt.train.attention import register as register_packed_sdpa
-from molt.train.attention import supports_packed_sdpa
+from molt.train.attention import row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_process_group(device: str = "cpu") -> None:
-    """Start a one-rank process group (gloo; nccl on cuda) unless one exists."""
+    """Start a one-rank process group (gloo; gloo for CPU and nccl for CUDA tensors on cuda) unless one exists."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def resolve_device(device: str) -> str:
+    """The torch device a rank trains on: "cpu", or "cuda" -> "cuda:LOCAL_RANK" made current.
+
+    Raises:
+        ValueError: a CUDA device without CUDA (YAML key ``device``), or an unknown device type.
+    """
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r} but torch {torch.__version__} sees no CUDA device; hint: device: cpu")
+    index = int(device.split(":")[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 class PolicyModel(nn.Module):
@@ -51,14 +70,18 @@ class PolicyModel(nn.Module):
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """logp [S] fp32 of token t given tokens before it in its own row; 0 at each row's first token.
+        """logp [S] fp32, on the model's device, of token t given tokens before it in its own row;
+        0 at each row's first token.
 
-        ``input_ids``, ``position_ids`` [1, S] as made by `pack_sequences`; no attention
+        ``input_ids``, ``position_ids`` [1, S] (any device) as made by `pack_sequences`; no attention
         mask and no cache, so transformers builds the block-diagonal causal mask from
         the position restarts.
         """
+        device = next(self.parameters()).device
+        lengths = row_lengths(position_ids[0].cpu())  # once, for every layer's molt_packed_sdpa
+        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids,  # type: ignore[operator]
-                               use_cache=False).last_hidden_state[0]  # [S, H]
+                               use_cache=False, molt_row_lengths=lengths).last_hidden_state[0]  # [S, H]
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]
         logp = target_logprobs(hidden[:-1], weight, input_ids[0, 1:], self.temperature, self.chunk_tokens)
         first = (position_ids[0, 1:] == 0)  # the token starts a new row: no prediction for it
@@ -96,14 +119,17 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     default model on CPU). The caller sees plain tensors instead of DTensors; state
     dicts through torch.distributed.checkpoint.state_dict work on both.
 
+    ``device`` "cuda" puts rank r on GPU LOCAL_RANK (`resolve_device`).
+
     Raises:
-        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``).
+        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``) or ``device``.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if compute_dtype not in DTYPES:
         raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}; got {compute_dtype!r}")
+    device = resolve_device(device)
     ensure_process_group(device)
     if device != "cpu":
         model.to(device)

@@ -106,18 +106,20 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss (0-dim) and its token metrics."""
     packed = pack_sequences(mb.column("token_ids").to_pylist())
-    mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
-    valid = torch.arange(mask.shape[1])[None, :] < torch.tensor(packed.lengths)[:, None]
-    logp = torch.zeros(mask.shape).masked_scatter(valid, model(packed.input_ids, packed.position_ids))
-    rollout = padded(mb, "rollout_logprobs", torch.float32)
-    adv = padded(mb, "advantages", torch.float32)
+    packed_logp = model(packed.input_ids, packed.position_ids)  # [S], on the model's device
+    dev = packed_logp.device
+    mask = padded(mb, "loss_mask", torch.bool).to(dev)  # [B, T]
+    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
+    logp = torch.zeros(mask.shape, device=dev).masked_scatter(valid, packed_logp)
+    rollout = padded(mb, "rollout_logprobs", torch.float32).to(dev)
+    adv = padded(mb, "advantages", torch.float32).to(dev)
     corr = obj.correction.compute(logp, rollout, mask)
     old = rollout if obj.anchor == "rollout" else logp.detach()
     pl = obj.policy_loss.compute(logp, old, adv, corr.keep)
     per_token = apply_correction(pl.per_token_loss, corr)
     token_kl = None
     if obj.kl is not None:
-        token_kl = obj.kl.per_token(logp, padded(mb, "ref_logprobs", torch.float32), mask)
+        token_kl = obj.kl.per_token(logp, padded(mb, "ref_logprobs", torch.float32).to(dev), mask)
         per_token = per_token + obj.kl.coef * token_kl
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
     metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl)
