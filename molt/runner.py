@@ -35,6 +35,7 @@ import ctypes
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +53,7 @@ from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
 from molt.progress import Progress
+from molt.stage import SCRATCH_ENV, scratch_folder
 
 log = get_logger("runner")
 
@@ -115,6 +117,7 @@ class Runner:
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
         self.start_s = time.monotonic()
+        self.scratch: Path | None = None
 
     def start(self) -> None:
         """Write the resolved config and wiring, then start one process per replica."""
@@ -124,6 +127,7 @@ class Runner:
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
         (self.run_dir / "wiring.json").write_text(json.dumps(make_wiring(self.pipe, self.run_dir), indent=1))
+        self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
         for sid in reversed(self.pipe.topo_order()):
             node = self.pipe.stages[sid]
             if node.colocate_with is None:
@@ -151,7 +155,7 @@ class Runner:
         log_path = self.run_dir / "logs" / f"{sid}.{replica}.log"
         # Custom stages are imported by path relative to where `molt run` was started.
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, SCRATCH_ENV: str(self.scratch)}
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -190,6 +194,8 @@ class Runner:
                 self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
             finally:
                 self.stop()
+                if self.scratch is not None:
+                    shutil.rmtree(self.scratch, ignore_errors=True)
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
             progress.update(time.monotonic() - self.start_s)
             return self._finish(progress.summary(), time.monotonic() - self.start_s)

@@ -37,6 +37,28 @@ from molt.ports import InputPort, OutputPort
 from molt.transport import Barrier
 
 
+SCRATCH_ENV = "MOLT_SCRATCH"  # the run's scratch folder, set by the runner for its workers
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A new folder for a stage's shared files: under the run's scratch folder ($MOLT_SCRATCH,
+    in /dev/shm, removed by the runner after every process has exited, so a file outlives the
+    stage that wrote it while the run lasts), else in /dev/shm, else in the default temp dir."""
+    import os
+    import tempfile
+
+    base = os.environ.get(SCRATCH_ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def run_owned(path: Path) -> bool:
+    """Whether ``path`` lies in the run's scratch folder (the runner removes it)."""
+    import os
+
+    scratch = os.environ.get(SCRATCH_ENV)
+    return scratch is not None and Path(path).resolve().is_relative_to(Path(scratch).resolve())
+
+
 class StageConfig(BaseModel):
     """Base of every stage's nested ``Config``: unknown keys are errors."""
 

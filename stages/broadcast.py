@@ -5,7 +5,9 @@ each step record it gathers the full Hugging Face-named state dict (a collective
 over all ranks: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``) and
 scores the refit probe, ``probe_tokens`` fixed token ids, with the model at
 temperature 1 (a forward, so also a collective; molt.engines.probe); rank 0 writes
-it as one safetensors file in ``dir`` (temp name, then an atomic rename), keeps the
+it as one safetensors file in ``dir`` (default: the run's scratch folder in /dev/shm,
+which the runner removes after the run, so the last files outlive this stage for the
+consumers still reading their records; temp name, then an atomic rename), keeps the
 newest ``keep_versions`` files, digests every tensor (molt.engines.weights.tensor_digest)
 and sends a weight-version record (molt.schema.WEIGHT_VERSION_SCHEMA, ``policy_version``
 = optimizer steps done, the probe) on ``weights``; the rollout loads it and verifies
@@ -34,7 +36,7 @@ from pydantic import Field
 from molt.engines.probe import Probe, policy_probe, probe_token_ids
 from molt.engines.weights import publish_weights
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-from molt.stage import Port, Service, StageConfig
+from molt.stage import Port, Service, StageConfig, run_owned, scratch_folder
 from molt.train.handoff import policy_handle
 from molt.train.model import full_state_dict
 from molt.transport import Barrier
@@ -46,7 +48,8 @@ class Broadcast(Service):
     class Config(StageConfig):
         train_stage: str = Field("train", description="id of the train stage this is fused into")
         every_steps: int = Field(1, ge=1, description="export after every k-th step (policy_version % k == 0)")
-        dir: str = Field("/dev/shm", description="folder for the weight files (shared memory on one host)")
+        dir: str | None = Field(None, description="folder for the weight files; None: the run's scratch folder "
+                                "in shared memory (molt.stage.scratch_folder), which outlives this stage")
         keep_versions: int = Field(2, ge=1, description="newest weight files kept")
         probe_tokens: int = Field(32, ge=0, description="length P of the refit probe (molt.engines.probe); < 2 = none")
         probe_atol: float | None = Field(None, gt=0, description="largest |engine - trainer| probe logprob "
@@ -62,8 +65,11 @@ class Broadcast(Service):
         self.handle.consumers += 1
         self.folder: Path | None = None
         if self.ctx.rank == 0:
-            Path(self.config.dir).mkdir(parents=True, exist_ok=True)
-            self.folder = Path(tempfile.mkdtemp(prefix="molt-weights-", dir=self.config.dir))
+            if self.config.dir is None:
+                self.folder = scratch_folder("molt-weights-")
+            else:
+                Path(self.config.dir).mkdir(parents=True, exist_ok=True)
+                self.folder = Path(tempfile.mkdtemp(prefix="molt-weights-", dir=self.config.dir))
         self.written: list[Path] = []
         if self.config.probe_tokens < 2:
             self.log.warning("probe_tokens < 2: no refit probe; refits are verified by tensor digests only")
@@ -118,6 +124,8 @@ class Broadcast(Service):
             self.written.pop(0).unlink(missing_ok=True)
 
     def close(self) -> None:
-        if getattr(self, "folder", None) is not None:
+        # In the run's scratch folder the files stay until the runner removes it after every process
+        # has exited, so a consumer still reading the last version's record finds its file.
+        if getattr(self, "folder", None) is not None and not run_owned(self.folder):  # type: ignore[arg-type]
             shutil.rmtree(self.folder, ignore_errors=True)  # type: ignore[arg-type]
-            self.folder = None
+        self.folder = None

@@ -2,8 +2,9 @@
 
 Runs its own engine (vLLM by default) on the policy's model and listens to the weight
 broadcast on ``weights`` (a ``kind: broadcast`` edge from the broadcast stage). It
-evaluates the initial weights at start, then every published version ``v`` with
-``v % every_versions == 0`` (the newest such one when several wait), and at end of
+evaluates the initial weights at start; then, whenever a version ``v`` with
+``v % every_versions == 0`` has been published, the newest version received (``v``
+itself unless newer ones were waiting or ``v``'s file was already pruned); and at end of
 stream the last version it saw if that was not evaluated yet (the final accuracy).
 Each refit is verified like the rollout's (molt.engines.weights.apply_weight_record).
 
@@ -22,7 +23,8 @@ right -> accuracy 0.24, stderr sqrt(0.24 * 0.76 / 500) = 0.019.
 
 Weight files: a record's file is hard-linked into this stage's own folder as it
 arrives, so the broadcast's pruning (``keep_versions``) or its exit cannot delete the
-weights of a version still to be evaluated.
+weights of a version still to be evaluated. A file pruned before its record was read
+(the broadcast prunes only after writing a newer one) is skipped for that newer one.
 
     evaluate:
       class: stages.evaluate.Evaluate
@@ -37,7 +39,6 @@ import asyncio
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -51,7 +52,7 @@ from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
 from molt.graders import GraderConfig, MathGrader
 from molt.schema import batch_from_rows, make_schema
-from molt.stage import Port, Service, StageConfig
+from molt.stage import Port, Service, StageConfig, scratch_folder
 from molt.tasks import TaskConfig
 
 EVAL_SCHEMA = make_schema([
@@ -94,37 +95,62 @@ class Evaluate(Service):
         self.chat = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
         self.engine = make_engine(c.engine, str(model_dir))
         self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
-        self.folder = Path(tempfile.mkdtemp(prefix="molt-eval-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self.folder = scratch_folder("molt-eval-")
         self.evaluated: list[int] = []
         self.log.info("%d held-out problems, every %d versions", len(self.problems), c.every_versions)
 
     async def run(self) -> None:
+        # A receiver task links each record's file as it arrives, also while an evaluation runs.
+        received: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        receiver = asyncio.create_task(self._receive(received))
         await self.evaluate()
         last: dict[str, Any] | None = None
-        while (item := await self.recv("weights")) is not None:
-            # 1) the newest record waiting  2) keep its file  3) load + evaluate if due
-            if not isinstance(item, pa.RecordBatch):
-                continue
-            await self.ctx.inputs["weights"].drain_nowait()  # type: ignore[attr-defined]
-            newest = self.ctx.inputs["weights"].latest() or item  # type: ignore[attr-defined]
-            last = self._keep(newest.to_pylist()[-1], last)
-            if last["policy_version"] % self.config.every_versions == 0:
+        due = False  # a version divisible by every_versions was published since the last evaluation
+        end = False
+        while not end:
+            # 1) every record received  2) keep the newest linked one  3) load + evaluate if due
+            waiting = [await received.get()]
+            while not received.empty():
+                waiting.append(received.get_nowait())
+            end = waiting[-1] is None
+            records = [r for r in waiting if r is not None]
+            due = due or any(r["policy_version"] % self.config.every_versions == 0 for r in records)
+            for record in [r for r in records if r["uri"] is not None]:
+                if last is not None:
+                    Path(last["uri"].removeprefix("file://")).unlink(missing_ok=True)
+                last = record
+            if due and last is not None and last["policy_version"] not in self.evaluated:
                 await self._load_and_evaluate(last)
+                due = False
+        await receiver  # raises what the receiver raised
         # 4) end of stream: the final version
         if last is not None and last["policy_version"] not in self.evaluated:
             await self._load_and_evaluate(last)
 
-    def _keep(self, record: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
-        """Hard-link the record's weight file into our folder; drop the previous link."""
+    async def _receive(self, received: asyncio.Queue[dict[str, Any] | None]) -> None:
+        """Put each weight record on ``received`` with ``uri`` at our hard link (None: pruned); None at the end."""
+        try:
+            while (item := await self.recv("weights")) is not None:
+                if isinstance(item, pa.RecordBatch):
+                    for record in item.to_pylist():
+                        received.put_nowait(self._keep(record))
+        finally:
+            received.put_nowait(None)
+
+    def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record with ``uri`` at a hard link of its file in our folder; ``uri`` None if the broadcast
+        had already pruned the file (it prunes only after writing a newer one, whose record follows)."""
         source = Path(record["uri"].removeprefix("file://"))
         link = self.folder / f"v{record['policy_version']}.safetensors"
         if not link.exists():
             try:
                 os.link(source, link)
+            except FileNotFoundError:
+                self.log.warning("version %d was pruned before its record was read; a newer one follows",
+                                 record["policy_version"])
+                return {**record, "uri": None}
             except OSError:  # another file system: copy instead
                 shutil.copy(source, link)
-        if previous is not None and previous["uri"] != f"file://{link}":
-            Path(previous["uri"].removeprefix("file://")).unlink(missing_ok=True)
         return {**record, "uri": f"file://{link}"}
 
     async def _load_and_evaluate(self, record: dict[str, Any]) -> None:
