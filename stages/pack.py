@@ -15,7 +15,9 @@ step, rows ordered by (dp_rank, micro_batch), every input column passed through 
 
 Rows whose loss_mask is all false are trained (they count in the token budget) and
 add 0 to both denominators, as molt.algorithms.aggregation counts them. Sequences
-are never split; see molt.train.packing for the balancing and filling rules.
+are never split, nor are the rows of a group that share their prompt (the trainer
+forwards such a prompt once: molt.train.packing.prefix_units), so a micro-batch's
+budget counts the prompt once; see molt.train.packing for the balancing and filling rules.
 
 Checkpoint: the next step number and the groups held for it (an Arrow file beside the
 JSON), so a resumed run trains them in the same step.
@@ -41,7 +43,7 @@ from pydantic import Field
 from molt.checkpoint import read_replica_state
 from molt.columns import row_lengths
 from molt.stage import Port, Service, StageConfig
-from molt.train.packing import plan_step
+from molt.train.packing import plan_step, prefix_units, unit_tokens
 from molt.transport import Barrier
 
 STEP_FIELDS = (
@@ -122,20 +124,27 @@ class Pack(Service):
         """One step batch of ``groups``, with the step columns, ordered by rank and micro-batch."""
         batch = pa.Table.from_batches(groups).combine_chunks().to_batches()[0]
         lengths = row_lengths(batch, "token_ids")
-        plan = plan_step(lengths.tolist(), self.config.world_size, self.config.max_tokens_per_micro_batch)
-        if (over := int(lengths.max(initial=0))) > self.config.max_tokens_per_micro_batch:
-            self.log.warning("a row of %d tokens exceeds max_tokens_per_micro_batch %d; it is trained alone",
-                             over, self.config.max_tokens_per_micro_batch)
+        # Rows sharing a prompt are one unit (the trainer forwards the prompt once): placed together.
+        tokens = batch.column("token_ids").to_pylist()
+        units = prefix_units(tokens, batch.column("loss_mask").to_pylist())
+        cost = unit_tokens(tokens, units)
+        unit_plan = plan_step(cost, self.config.world_size, self.config.max_tokens_per_micro_batch)
+        plan_rank, plan_micro = np.zeros(batch.num_rows, np.int32), np.zeros(batch.num_rows, np.int32)
+        for u, (members, _) in enumerate(units):
+            plan_rank[members], plan_micro[members] = unit_plan.dp_rank[u], unit_plan.micro_batch[u]
+        if (over := max(cost, default=0)) > self.config.max_tokens_per_micro_batch:
+            self.log.warning("a prompt group of %d tokens exceeds max_tokens_per_micro_batch %d; it is trained "
+                             "alone", over, self.config.max_tokens_per_micro_batch)
         mask_counts = np.array([sum(m) for m in batch.column("loss_mask").to_pylist()], np.int64)
         n = batch.num_rows
-        columns = [np.full(n, self.step, np.int32), np.array(plan.dp_rank, np.int32),
-                   np.array(plan.micro_batch, np.int32), np.full(n, int(mask_counts.sum()), np.int64),
+        columns = [np.full(n, self.step, np.int32), plan_rank, plan_micro, np.full(n, int(mask_counts.sum()), np.int64),
                    np.full(n, int((mask_counts > 0).sum()), np.int64)]
         for f, values in zip(STEP_FIELDS, columns):
             batch = batch.append_column(f, pa.array(values, f.type))
-        order = np.lexsort((np.array(plan.micro_batch), np.array(plan.dp_rank)))
+        order = np.lexsort((plan_micro, plan_rank))
         self.metrics.log({"step": self.step, "groups": len(groups), "rows": n, "tokens": int(lengths.sum()),
-                          "loss_tokens": int(mask_counts.sum()), "micro_batches": plan.num_micro_batches},
+                          "tokens_forwarded": sum(cost), "loss_tokens": int(mask_counts.sum()),
+                          "micro_batches": unit_plan.num_micro_batches},
                          step=self.step)
         self.step += 1
         return batch.take(pa.array(order))

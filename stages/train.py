@@ -62,8 +62,9 @@ class Train(Service):
         model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
         temperature: float = Field(gt=0, description="sampling temperature of the rollout (must be equal)")
         max_staleness: int | None = Field(None, ge=0, description="refuse older tokens; None = unchecked")
-        compute_dtype: Literal["float32", "bfloat16"] = Field(
-            "float32", description="FSDP2 compute dtype; master weights, reduction and AdamW stay fp32")
+        compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+            "float32", description="FSDP2 compute dtype; master weights, reduction and AdamW stay fp32; auto: bf16 on "
+            "CUDA and on CPUs with native bf16 (molt.train.model.resolve_compute_dtype), else fp32")
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         seed: int = 0

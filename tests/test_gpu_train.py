@@ -78,6 +78,18 @@ def test_packed_rows_on_cuda_match_each_row_alone_and_the_cpu_model(model_dir):
             torch.testing.assert_close(a, ref, atol=atol, rtol=0)
 
 
+def test_shared_prompt_packing_on_cuda_matches_rows_packed_apart(model_dir):
+    prompt = list(range(300, 340))
+    rows = [prompt + [7, 8, 9], prompt + [5], prompt + [11, 12, 13, 14, 15], [60, 61, 62]]
+    masks = [[False] * 40 + [True] * (len(r) - 40) for r in rows[:3]] + [[False, True, True]]
+    model = shard_policy(load_policy(model_dir, 0.8), "bfloat16", "cuda")
+    with torch.no_grad():
+        shared, apart = (model(p.input_ids, p.position_ids, p, masks).cpu()
+                         for p in (pack_sequences(rows, masks), pack_sequences(rows)))
+    torch.testing.assert_close(shared, apart, atol=0.05, rtol=0)
+    assert shared.abs().sum() > 0
+
+
 def test_a_bf16_fsdp2_step_on_nccl_matches_the_cpu_fp32_step(model_dir):
     batch = step_batch(random_groups(seed=3), max_tokens=40)
     results, weights = {}, {}

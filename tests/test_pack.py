@@ -56,6 +56,19 @@ def test_pack_never_splits_a_sample_and_positions_restart():
         pack_sequences([[1], []])
 
 
+def test_rows_sharing_a_prompt_are_placed_together_and_their_prompt_counted_once():
+    prompt = [11] * 10
+    rows = [{"sample_id": f"{g}/{k}", "prompt_id": g, "token_ids": prompt[:-1] + [int(g == "a"), k, k + 1],
+             "loss_mask": [False] * 10 + [True, True], "advantages": [0.0] * 10 + [1.0, 1.0]}
+            for g in ("a", "b") for k in range(4)]
+    pack = Pack(Pack.Config(groups_per_step=2, max_tokens_per_micro_batch=20), StageContext("pack"))
+    pack.setup()
+    out = pack.place(split_groups(pa.RecordBatch.from_pylist(rows)))
+    micro = dict(zip(out.column("sample_id").to_pylist(), out.column("micro_batch").to_pylist()))
+    assert len({micro[f"a/{k}"] for k in range(4)}) == 1 and len({micro[f"b/{k}"] for k in range(4)}) == 1
+    assert micro["a/0"] != micro["b/0"], "10 + 4 x 2 = 18 tokens per group: one group per budget of 20"
+
+
 def test_split_groups_keeps_first_appearance_order():
     batch = batch_from_rows(rows_of("a", [3, 3]) + rows_of("b", [3]) + rows_of("a", [4]), SCHEMA)
     parts = split_groups(batch)

@@ -75,6 +75,52 @@ def test_a_packed_row_gives_the_same_logprobs_as_the_row_alone(tiny_chat_model):
     torch.testing.assert_close(alone_b[1:], reference, atol=1e-5, rtol=0)
 
 
+def test_rows_sharing_a_prompt_forward_it_once_with_the_same_logprobs_and_gradients(tiny_chat_model):
+    prompt = list(range(200, 212))
+    rows = [prompt + [5, 6, 7], prompt + [8], prompt + [9, 10, 11, 12], [40, 41, 42, 43], prompt + [5, 6]]
+    masks = [[False] * len(prompt) + [True] * (len(r) - len(prompt)) for r in rows[:3]] + \
+        [[False, True, True, False], [False] * len(prompt) + [True, True]]
+    shared = pack_sequences(rows, masks)
+    assert shared.input_ids.shape[1] == len(prompt) + 3 + 1 + 4 + 4 + 2, "the prompt is forwarded once"
+    assert [(n, p) for n, p, _ in shared.segments] == [(len(prompt) + 10, len(prompt)), (4, 0)]
+    weights = torch.randn(sum(len(r) for r in rows), generator=torch.Generator().manual_seed(0))
+    flat_mask = torch.tensor([m for mask in masks for m in mask])
+    results = []
+    for packed in (shared, pack_sequences(rows)):
+        model = load_policy(tiny_chat_model, TEMPERATURE, chunk_tokens=5)
+        assert model.shares_prompts
+        logp = model(packed.input_ids, packed.position_ids, packed, masks)  # [sum lengths], rows in order
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, grads_a), (b, grads_b) = results
+    assert a[~flat_mask].abs().sum() == 0 and a[flat_mask].abs().min() > 0, "only loss tokens are projected"
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grad, grads_b[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(tiny_chat_model, monkeypatch):
+    import numpy as np
+
+    import molt.train.step as step_module
+
+    groups = random_groups(seed=2)
+    flat = pa.Table.from_batches(groups).to_pylist()
+    for row in flat[:4]:  # two whole groups scored alike: advantage 0 everywhere
+        row["advantages"] = [0.0] * len(row["advantages"])
+    batch = step_batch([batch_from_rows(flat, SCHEMA)])
+    zero = {r["sample_id"] for r in flat[:4]}
+    assert step_module.inert_rows(batch, OBJECTIVE).tolist() == [r in zero for r in batch.column("sample_id").to_pylist()]
+    skipped = train_once(tiny_chat_model, batch)
+    monkeypatch.setattr(step_module, "inert_rows", lambda b, o: np.zeros(b.num_rows, dtype=bool))
+    computed = train_once(tiny_chat_model, batch)
+    assert skipped[0].loss == pytest.approx(computed[0].loss, rel=1e-5)
+    for name, tensor in computed[1].items():
+        torch.testing.assert_close(skipped[1][name], tensor, atol=1e-6, rtol=0)
+    kl = ObjectiveConfig.model_validate({"kl": {"estimator": "k3", "coef": 0.1, "apply_to": "loss"}})
+    assert not step_module.inert_rows(batch, kl).any(), "a KL term has a gradient at advantage 0"
+
+
 @pytest.mark.parametrize("chunk_tokens", [3, 7, 100])  # last chunk of 1; one chunk, exact; one chunk, larger
 def test_chunked_logprobs_match_full_vocab_autograd_in_value_and_gradient(chunk_tokens):
     gen = torch.Generator().manual_seed(0)

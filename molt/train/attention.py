@@ -56,9 +56,15 @@ def packed_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
 
     position_ids = kwargs.pop("position_ids", None)
     lengths = kwargs.pop("molt_row_lengths", None)
+    segments = kwargs.pop("molt_segments", None)
     kwargs.pop("is_causal", None)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    if segments is not None and query.shape[0] == 1:  # shared-prompt segments (molt.train.packing)
+        parts = zip(*(t.split([n for n, _ in segments], dim=2) for t in (query, key, value)))
+        return torch.cat([sdpa_attention_forward(module, q, k, v, None if m is None else m[None, None],
+                                                 is_causal=m is None, **kwargs)[0]
+                          for (q, k, v), (_, m) in zip(parts, segments)], dim=1), None
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[0] == 1 and _varlen():
         return _varlen_rows(module, query, key, value, lengths or row_lengths(position_ids[0])), None
     outputs = []

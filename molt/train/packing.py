@@ -94,18 +94,106 @@ def plan_step(lengths: Sequence[int], world_size: int, max_tokens: int) -> StepP
     return StepPlan(ranks, micro, num)
 
 
+def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None) -> list[tuple[list[int], int]]:
+    """Rows that share their prompt, as (row indices, shared prefix length P), in first-appearance order.
+
+    A row's prompt is its tokens before its first ``loss_mask`` token. Rows with the same
+    prompt tokens, each longer than it, form one unit that is forwarded as the prompt once
+    plus every row's rest (`pack_sequences`); any other row is a unit of its own with P 0.
+    Example: rows [1, 2, 7], [1, 2, 8, 9], [3, 4] with masks [F, F, T], [F, F, T, T],
+    [F, T] -> [([0, 1], 2), ([2], 0)].
+    """
+    if loss_masks is None:
+        return [([i], 0) for i in range(len(rows))]
+    units: dict[tuple[int, ...], list[int]] = {}
+    order: list[tuple[int, ...] | int] = []
+    for i, (row, mask) in enumerate(zip(rows, loss_masks)):
+        prompt = next((j for j, m in enumerate(mask) if m), len(row))
+        if 1 <= prompt < len(row):
+            key = tuple(row[:prompt])
+            if key not in units:
+                units[key] = []
+                order.append(key)
+            units[key].append(i)
+        else:
+            order.append(i)
+    out: list[tuple[list[int], int]] = []
+    for entry in order:
+        if isinstance(entry, int):
+            out.append(([entry], 0))
+        else:
+            out.append((units[entry], len(entry) if len(units[entry]) > 1 else 0))
+    return out
+
+
+def unit_tokens(rows: Sequence[Sequence[int]], units: list[tuple[list[int], int]]) -> list[int]:
+    """Tokens each unit forwards: P + sum over its rows of (length - P)."""
+    return [prefix + sum(len(rows[i]) - prefix for i in members) for members, prefix in units]
+
+
 @dataclass(frozen=True)
 class PackedSequence:
-    """One micro-batch as one sequence. input_ids, position_ids [1, S]; starts [R] int."""
+    """One micro-batch as one sequence.
+
+    input_ids, position_ids [1, S]; ``lengths`` [R] the rows' token counts (in row order);
+    ``segments`` the attention segments in order, each (length, P, suffix lengths): P 0 is
+    one row attending causally to itself, P > 0 a shared prompt of P tokens followed by
+    each row's rest, which attends to the prompt and causally to itself (positions
+    continue at P). ``token_index`` [sum lengths] is the packed position of every row
+    token, rows in order; ``starts`` [R] where each row's first token is.
+    """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     starts: list[int]
     lengths: list[int]
+    segments: list[tuple[int, int, list[int]]]
+    token_index: torch.Tensor
+
+    def attention_masks(self, device: torch.device | str) -> list[tuple[int, torch.Tensor | None]]:
+        """(length, mask) per segment: None for a causal row, else a boolean [L, L] (True = attend)."""
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for length, prefix, parts in self.segments:
+            if not prefix:
+                out.append((length, None))
+                continue
+            part = torch.zeros(length, dtype=torch.long)  # 0 = the prompt, k = the k-th row's rest
+            bounds = torch.tensor([prefix, *parts]).cumsum(0)
+            for k in range(len(parts)):
+                part[int(bounds[k]):int(bounds[k + 1])] = k + 1
+            q, k_ = torch.arange(length)[:, None], torch.arange(length)[None, :]
+            mask = (k_ <= q) & ((part[None, :] == 0) | (part[None, :] == part[:, None]))
+            out.append((length, mask.to(device)))
+        return out
+
+    def targets(self, loss_masks: Sequence[Sequence[bool]] | None = None) -> tuple[torch.Tensor, ...]:
+        """(pred, target, slot) [N]: token ``input_ids[slot]`` of the flat row-major token list is
+        predicted by the hidden state at packed position ``pred``; every token but a row's first,
+        or only the ``loss_masks`` tokens."""
+        pred, target, slot = [], [], []
+        flat = self.input_ids[0]
+        offset = 0
+        for r, n in enumerate(self.lengths):
+            index = self.token_index[offset:offset + n]
+            for j in range(1, n):
+                if loss_masks is None or loss_masks[r][j]:
+                    pred.append(int(index[j - 1]))
+                    target.append(int(flat[index[j]]))
+                    slot.append(offset + j)
+            offset += n
+        return torch.tensor(pred, dtype=torch.long), torch.tensor(target, dtype=torch.long), \
+            torch.tensor(slot, dtype=torch.long)
 
 
-def pack_sequences(rows: Sequence[Sequence[int]]) -> PackedSequence:
+def pack_sequences(rows: Sequence[Sequence[int]],
+                   loss_masks: Sequence[Sequence[bool]] | None = None) -> PackedSequence:
     """Concatenate token rows; positions restart at 0 per row (module docstring example).
+
+    With ``loss_masks``, rows that share their prompt (`prefix_units`) are packed as the
+    prompt once followed by each row's rest: rows [1, 2, 7] and [1, 2, 8, 9] with prompt
+    [1, 2] -> input_ids [[1, 2, 7, 8, 9]], position_ids [[0, 1, 2, 2, 3]]; the rows'
+    logprobs are the same as packed apart (attention never crosses from one row's rest
+    to another's), for P + 3 instead of 2P + 3 forwarded tokens.
 
     Raises:
         ValueError: no rows, or an empty row (column ``token_ids``).
@@ -113,8 +201,23 @@ def pack_sequences(rows: Sequence[Sequence[int]]) -> PackedSequence:
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError(f"cannot pack an empty micro-batch or an empty row; got lengths "
                          f"{[len(r) for r in rows]}; hint: column 'token_ids' needs >= 1 token per row")
+    ids: list[int] = []
+    positions: list[int] = []
+    index: list[list[int]] = [[] for _ in rows]
+    segments: list[tuple[int, int, list[int]]] = []
+    for members, prefix in prefix_units(rows, loss_masks):
+        start = len(ids)
+        ids += rows[members[0]][:prefix]
+        positions += range(prefix)
+        parts = []
+        for i in members:
+            rest = rows[i][prefix:]
+            index[i] = list(range(start, start + prefix)) + list(range(len(ids), len(ids) + len(rest)))
+            ids += rest
+            positions += range(prefix, prefix + len(rest))
+            parts.append(len(rest))
+        segments.append((len(ids) - start, prefix, parts if prefix else []))
     lengths = [len(r) for r in rows]
-    ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)[None, :]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None, :]
-    starts = [sum(lengths[:k]) for k in range(len(lengths))]
-    return PackedSequence(ids, positions, starts, lengths)
+    return PackedSequence(torch.tensor(ids, dtype=torch.long)[None, :], torch.tensor(positions)[None, :],
+                          [ix[0] for ix in index], lengths, segments,
+                          torch.tensor([t for ix in index for t in ix], dtype=torch.long))

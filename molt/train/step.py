@@ -5,7 +5,8 @@ The pack stage sends a step as one record batch whose rows carry ``dp_rank``,
 Every rank sees the whole batch and trains its own rows:
 
     1) refuse stale tokens:  version - policy_version_t <= max_staleness on every generated token
-    2) for each of the rank's micro-batches (the same count M on every rank):
+    2) for each of the rank's micro-batches (the same count M on every rank), without the
+       rows whose advantages are all 0 when that adds no gradient (`inert_rows`):
          logp = packed forward (block-diagonal)          # [S] -> [B, T]
          old  = rollout_logprobs ("rollout" anchor) or logp.detach() ("trainer" anchor:
                 the proximal policy; one optimizer step per batch makes the separate
@@ -29,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
@@ -105,12 +107,14 @@ def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | No
 def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig,
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss (0-dim) and its token metrics."""
-    packed = pack_sequences(mb.column("token_ids").to_pylist())
-    packed_logp = model(packed.input_ids, packed.position_ids)  # [S], on the model's device
-    dev = packed_logp.device
+    loss_masks = mb.column("loss_mask").to_pylist()
+    shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
+    packed = pack_sequences(mb.column("token_ids").to_pylist(), loss_masks if shares else None)
+    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks)  # [sum lengths], model's device
+    dev = row_logp.device
     mask = padded(mb, "loss_mask", torch.bool).to(dev)  # [B, T]
     valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
-    logp = torch.zeros(mask.shape, device=dev).masked_scatter(valid, packed_logp)
+    logp = torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)
     rollout = padded(mb, "rollout_logprobs", torch.float32).to(dev)
     adv = padded(mb, "advantages", torch.float32).to(dev)
     corr = obj.correction.compute(logp, rollout, mask)
@@ -132,6 +136,34 @@ def _dummy_loss(model: torch.nn.Module) -> Tensor:
     return model(packed.input_ids, packed.position_ids).sum() * 0.0
 
 
+def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
+    """Whether a token with advantage 0 adds no gradient under ``obj``: no KL term, and the policy
+    loss with its correction, evaluated at advantage 0 on a probe, has an exactly zero gradient
+    (true of PPO, GSPO and CISPO, whose per-token loss is a multiple of the advantage)."""
+    if obj.kl is not None:
+        return False
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    rollout = torch.tensor([[-1.2, -1.5, -0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    corr = obj.correction.compute(logp, rollout, mask)
+    old = rollout if obj.anchor == "rollout" else logp.detach()
+    per_token = apply_correction(obj.policy_loss.compute(logp, old, torch.zeros(1, 3), corr.keep).per_token_loss, corr)
+    (grad,) = torch.autograd.grad(obj.aggregation.reduce(per_token, mask, 3, 1), logp, allow_unused=True)
+    return grad is None or not bool(grad.any())
+
+
+def inert_rows(batch: pa.RecordBatch, obj: ObjectiveConfig) -> np.ndarray:
+    """[N] bool: rows whose ``advantages`` are 0 on every loss token, when that adds no gradient
+    (`zero_advantage_is_inert`), e.g. a GRPO group whose rollouts all scored the same. The
+    trainer skips their forward and backward; their tokens still count in the step's loss
+    denominators (``step_loss_tokens``/``step_loss_seqs``), so the loss and update are unchanged,
+    while the step's token metrics cover the other rows only."""
+    if batch.num_rows == 0 or not zero_advantage_is_inert(obj):
+        return np.zeros(batch.num_rows, dtype=bool)
+    return np.array([not any(a != 0 and m for a, m in zip(adv, mask)) for adv, mask in
+                     zip(batch.column("advantages").to_pylist(), batch.column("loss_mask").to_pylist())])
+
+
 def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConfig,
                rank: int, world_size: int) -> tuple[float, list[dict[str, float]]]:
     """Forward/backward every micro-batch of ``rank``; returns (sum of shares, metrics)."""
@@ -140,12 +172,13 @@ def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConf
     num_micro = int(micro.max()) + 1 if batch.num_rows else 0
     step_tokens = int(batch.column("step_loss_tokens")[0].as_py())
     step_seqs = int(batch.column("step_loss_seqs")[0].as_py())
+    inert = inert_rows(batch, obj)
     total, parts = 0.0, []
     for k in range(num_micro):
         set_sync = getattr(model, "set_requires_gradient_sync", None)
         if callable(set_sync):  # FSDP2: reduce-scatter once, after the last micro-batch
             set_sync(k == num_micro - 1)
-        rows = ((ranks == rank) & (micro == k)).nonzero()[0]
+        rows = ((ranks == rank) & (micro == k) & ~inert).nonzero()[0]
         if len(rows) == 0:
             share = _dummy_loss(model)
         else:
