@@ -1,30 +1,29 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on
-``in``; each becomes ``group_size`` concurrent episodes of the ``env`` (default
-:class:`molt.agents.SingleTurn`) or ``agent`` (OpenAI SDK code, :mod:`molt.agents.openai_server`)
-on one engine (vLLM by default). Token ids, logprobs and versions go from the engine
-to the record untouched; ``metadata.completion_text`` (last turn, decoded) is for graders.
+Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``;
+each becomes ``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or
+``agent`` (OpenAI SDK code, molt.agents.openai_server) on one engine (vLLM by default).
+Token ids, logprobs and versions go from the engine to the record untouched;
+``metadata.completion_text`` (last turn, decoded) is for graders.
 
-Admission control (DESIGN §4): group ``i`` is trained in step ``i // groups_per_step``
-or earlier with tokens no older than the engine's version when it starts, so it starts
-only when ``engine_version >= i // groups_per_step - max_staleness``. Example: 2 groups
-per step, max_staleness 0: groups 0-1 start at once, groups 2-3 wait for version 1.
+Admission control (DESIGN §4): groups are sent in the order they started, so group ``i``
+is trained in step ``i // groups_per_step``, with tokens no older than the engine's version
+when it starts: it starts only when ``engine_version >= i // groups_per_step - max_staleness``.
+Example: 2 groups per step, max_staleness 0: groups 0-1 start at once, 2-3 wait for version 1.
 
-Refit: with ``weights_input: true``, each weight-version record on ``weights`` is
-loaded into the engine (in-flight sequences continue on the new version) and every
-tensor's digest and the probe are checked (apply_weight_record); a failure stops the run. Checkpoint
-state: groups admitted and the engine's version (resumed, it admits nothing until the
-engine holds that version again: the broadcast re-publishes it).
-
+Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded
+(in-flight sequences continue on the new version) and verified (digests and probe:
+apply_weight_record); a failure stops the run. Checkpoint: groups admitted and the engine's
+version (resumed, nothing is admitted until the broadcast re-publishes that version).
 Failures: an env or agent that raises, or a prompt over the context window, fails its
-rollout: counted (``rollouts_failed``), logged, not emitted; ``group_size`` stays the
-number started. If every rollout fails, or the engine fails, the stage fails.
+rollout: counted (``rollouts_failed``), logged, not emitted (``group_size`` stays the
+number started); if every rollout fails, or the engine fails, the stage fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -93,7 +92,8 @@ class Rollout(Service):
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         _, outputs = self.ports(c)
         self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
-        self.num_groups, self.resume_version = 0, 0  # groups admitted so far; version to wait for
+        self.num_groups, self.num_sent, self.resume_version = 0, 0, 0  # admitted, sent; version to wait for
+        self.finished: dict[int, pa.RecordBatch | None] = {}  # by admission index, until sent in order
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
         self.first_admit_s: float | None = None
@@ -102,8 +102,8 @@ class Rollout(Service):
         if self.server is not None:
             await self.server.start()
         prompts: list[tuple[str, dict[str, Any]]] = []
-        pending: set[asyncio.Task[pa.RecordBatch | None]] = set()
-        exhausted = False
+        pending: set[asyncio.Task[tuple[int, pa.RecordBatch | None]]] = set()
+        exhausted = False  # the prompts' end of stream has arrived
         while not exhausted or pending:
             await self._refit_if_new_weights()
             # 1) admit new groups while there is room and staleness allows
@@ -123,8 +123,7 @@ class Rollout(Service):
                         break
                 prompt_id, task = prompts.pop(0)
                 self.first_admit_s = self.first_admit_s or time.monotonic()
-                pending.add(asyncio.create_task(self._group(prompt_id, task, self.num_groups),
-                                                name=f"group_{self.num_groups}"))
+                pending.add(asyncio.create_task(self._group(prompt_id, task, self.num_groups)))
                 self.num_groups += 1
             # 2) wait for finished groups  3) send them whole
             if not pending:
@@ -152,23 +151,26 @@ class Rollout(Service):
         return {"num_groups": self.num_groups, "policy_version": self.engine.policy_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_groups = state["num_groups"]
+        self.num_groups = self.num_sent = state["num_groups"]
         self.resume_version = state["policy_version"] if self.config.weights_input else 0
 
     async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
         """Next prompts ([] if none within 0.2 s), a barrier, or None at end of stream."""
-        try:
+        with contextlib.suppress(TimeoutError):
             item = await self.recv("in", timeout_s=0.2)
-        except TimeoutError:
-            return []
-        return item if item is None or isinstance(item, Barrier) else read_prompts(item)
+            return item if item is None or isinstance(item, Barrier) else read_prompts(item)
+        return []
 
-    async def _send_done(self, batches: list[pa.RecordBatch | None]) -> None:
-        for batch in (b for b in batches if b is not None):
-            await self.send("out", batch)
+    async def _send_done(self, groups: list[tuple[int, pa.RecordBatch | None]]) -> None:
+        """Send finished groups in admission order (a failed group, None, sends nothing)."""
+        self.finished.update(groups)
+        while self.num_sent in self.finished:
+            if (batch := self.finished.pop(self.num_sent)) is not None:
+                await self.send("out", batch)
+            self.num_sent += 1
 
-    async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> pa.RecordBatch | None:
-        """Run ``group_size`` episodes of one prompt; rows of the successful ones."""
+    async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> tuple[int, pa.RecordBatch | None]:
+        """Run ``group_size`` episodes of one prompt; (index, rows of the successful ones)."""
         start = time.monotonic()
         rows, failed = await run_group(lambda rid: self._episode(task, rid), prompt_id, task, index,
                                        self.config.group_size, "score" in self.schema.names)
@@ -177,7 +179,7 @@ class Rollout(Service):
             self.metrics.count("rollouts_failed")
         self.metrics.count("tokens_generated", sum(sum(r["loss_mask"]) for r in rows))
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
-        return batch_from_rows(rows, self.schema) if rows else None
+        return index, batch_from_rows(rows, self.schema) if rows else None
 
     async def _episode(self, task: dict[str, Any], request_id: str) -> Episode:
         if self.server is not None:
@@ -186,15 +188,13 @@ class Rollout(Service):
                                  self.config.max_turns, self.config.engine.max_model_len)
 
     async def _refit_if_new_weights(self) -> None:
-        if "weights" not in self.ctx.inputs:
+        if (port := self.ctx.inputs.get("weights")) is None:
             return
-        port = self.ctx.inputs["weights"]
         await port.drain_nowait()  # type: ignore[attr-defined]
         record, start = port.latest(), time.monotonic()  # type: ignore[attr-defined]
         if record is not None and await apply_weight_record(self.engine, record.to_pylist()[-1]):
             self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
-        for part in (getattr(self, "server", None), getattr(self, "engine", None)):
-            if part is not None:
-                part.close()
+        for part in (p for p in (getattr(self, "server", None), getattr(self, "engine", None)) if p is not None):
+            part.close()

@@ -204,3 +204,20 @@ def test_an_env_typo_fails_at_load(tiny_chat_model):
     with pytest.raises(ValueError, match=r"stages.rollout.config.env: module 'tests.doubles.stages' has no class "
                                          r"'ScriptedEnvv'; did you mean 'ScriptedEnv'\?"):
         Pipeline.from_spec(rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.ScriptedEnvv"))
+
+
+def test_groups_are_sent_in_the_order_they_started_whatever_order_they_finish_in():
+    """A group's training step is its admission index // groups_per_step only if groups leave in that order."""
+    from stages.rollout import Rollout
+
+    rollout = Rollout.__new__(Rollout)  # only the ordering state: no engine
+    rollout.finished, rollout.num_sent = {}, 0
+    sent = []
+
+    async def send(port, batch):
+        sent.append(batch)
+
+    rollout.send = send
+    for finished in ([(2, "c")], [(0, "a")], [(3, None), (1, "b")], [(4, "e")]):  # group 3 failed: nothing sent
+        asyncio.run(rollout._send_done(finished))
+    assert sent == ["a", "b", "c", "e"] and rollout.num_sent == 5 and not rollout.finished
