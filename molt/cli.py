@@ -141,7 +141,7 @@ def replay_from_step(run_dir: Path, step: int, overrides: list[str], out_dir: st
     for item in overrides:
         apply_override(data, item, source)
     pipe = Pipeline.from_spec(data, source=source)
-    names = replica_names({sid: (n.replicas, n.colocate_with) for sid, n in pipe.stages.items()})
+    names = replica_names(pipe.checkpointed())
     folder, trainer = checkpoint_at_version(run_dir, names, step)
     edge = _recorded_trajectory_edge(pipe, trainer, run_dir)
     skip = {f"{name}.arrow": read_replica_state(folder, name)["recorded"].get(edge.name, 0)

@@ -61,6 +61,43 @@ class StageSpec(BaseModel):
     replicas: int = Field(1, ge=1)
     world_size: int = Field(1, ge=1, description=">1: a torchrun group; rank 0 owns the sockets")
     colocate_with: str | None = None
+    cpus: str | None = Field(None, description="CPU ids the stage's processes run on, e.g. '0' or '0-1,3': "
+                             "affinity, OpenMP threads and vLLM's CPU binding (molt.runner); None = all")
+    gpus: str | None = Field(None, description="GPU ids shared out among the replicas, e.g. '0-3' for 4 replicas "
+                             "of 1 GPU or 2 of a 2-rank group: CUDA_VISIBLE_DEVICES (molt.runner); None = all")
+
+
+def parse_ids(text: str, where: str) -> list[int]:
+    """Ids of a Linux CPU-list string: "0-2,5" -> [0, 1, 2, 5].
+
+    Raises:
+        ValueError: malformed or empty (``where`` names the YAML key).
+    """
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            ids += range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not an id list such as '0' or '0-1,3'") from None
+    if not ids:
+        raise ValueError(f"{where}: {text!r} names no id")
+    return sorted(set(ids))
+
+
+def parse_cpus(text: str, where: str) -> list[int]:
+    """`parse_ids`, checked against the CPUs this process may run on.
+
+    Raises:
+        ValueError: malformed, or an id this process may not run on (``where`` names the YAML key).
+    """
+    import os
+
+    ids = parse_ids(text, where)
+    allowed = sorted(os.sched_getaffinity(0))
+    if any(i not in allowed for i in ids):
+        raise ValueError(f"{where}: CPUs {text!r} are not all available; this machine offers {allowed}")
+    return ids
 
 
 class PipelineSpec(BaseModel):
@@ -74,6 +111,8 @@ class PipelineSpec(BaseModel):
     ready_timeout_s: float = Field(120.0, gt=0)
     stop_timeout_s: float = Field(10.0, gt=0)
     keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")
+    results: dict[str, str] = Field(default_factory=dict, description="summary.json 'results': name -> metric "
+                                    "key (its latest value; counters summed), e.g. accuracy: evaluate/accuracy")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 
@@ -91,6 +130,8 @@ class StageNode:
     colocate_with: str | None
     inputs: dict[str, Port]
     outputs: dict[str, Port]
+    cpus: list[int] | None = None
+    gpus: list[int] | None = None
 
 
 @dataclass
@@ -155,6 +196,16 @@ class Pipeline:
                           for sid, n in self.stages.items()}
         return data
 
+    def checkpointed(self) -> dict[str, tuple[int, str | None]]:
+        """Stages a checkpoint barrier reaches, as molt.checkpoint.replica_names takes them
+        (id -> (replicas, colocate_with)): the sources and everything downstream of them over
+        stream or keyed edges. A stage fed only by broadcast edges (e.g. an evaluation of the
+        published weights) gets no barrier, keeps no checkpoint state and starts afresh on resume."""
+        reached = {sid for sid, n in self.stages.items() if not n.inputs}
+        while new := {e.dst for e in self.edges if e.src in reached and e.cfg.kind != "broadcast"} - reached:
+            reached |= new
+        return {sid: (n.replicas, n.colocate_with) for sid, n in self.stages.items() if sid in reached}
+
     def topo_order(self) -> list[str]:
         """Stage ids so that producers come before consumers (feedback edges ignored)."""
         deps = {s: {e.src for e in self.edges if e.dst == s and not e.cfg.feedback} for s in self.stages}
@@ -207,8 +258,16 @@ def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
         raise ValueError(f"{where}.class: {cls!r} is not a molt.stage.Stage subclass")
     config = validate(cls.Config, s.config, source, ("stages", sid, "config"))
     inputs, outputs = cls.ports(config)
+    for key in ("cpus", "gpus"):
+        if getattr(s, key) is not None and s.colocate_with is not None:
+            raise ValueError(f"{where}.{key}: a stage fused into {s.colocate_with!r} runs in its processes; "
+                             f"hint: set {key} on stages.{s.colocate_with}")
+    cpus = None if s.cpus is None else parse_cpus(str(s.cpus), f"{where}.cpus")
+    gpus = None if s.gpus is None else parse_ids(str(s.gpus), f"{where}.gpus")
+    if gpus is not None and len(gpus) % s.replicas:
+        raise ValueError(f"{where}.gpus: {len(gpus)} GPUs do not split evenly among {s.replicas} replicas")
     return StageNode(sid, cls, f"{cls.__module__}.{cls.__qualname__}", config, s.replicas,
-                     s.world_size, s.colocate_with, inputs, outputs)
+                     s.world_size, s.colocate_with, inputs, outputs, cpus, gpus)
 
 
 def _endpoint(ref: str, stages: dict[str, StageNode], out: bool, where: str) -> tuple[str, str]:

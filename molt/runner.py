@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,12 @@ def _die_with_parent() -> None:
         pass
 
 
+def _start_child(cpus: list[int]) -> None:
+    """`_die_with_parent`, then keep to ``cpus`` (inherited by everything the stage starts)."""
+    _die_with_parent()
+    os.sched_setaffinity(0, cpus)
+
+
 @dataclass
 class Proc:
     """One stage replica's OS process (a torchrun launcher for a group)."""
@@ -112,7 +119,7 @@ class Runner:
     def __init__(self, pipe: Pipeline, run_dir: Path, live: bool | None = None,
                  resume: bool | Path = False) -> None:
         self.pipe, self.run_dir, self.resume = pipe, Path(run_dir), resume
-        self.replica_names = replica_names({sid: (n.replicas, n.colocate_with) for sid, n in pipe.stages.items()})
+        self.replica_names = replica_names(pipe.checkpointed())
         self.procs: list[Proc] = []
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
@@ -156,9 +163,16 @@ class Runner:
         # Custom stages are imported by path relative to where `molt run` was started.
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, SCRATCH_ENV: str(self.scratch)}
+        cpus, gpus = self.pipe.stages[sid].cpus, self.pipe.stages[sid].gpus
+        if gpus is not None:  # replica r gets the r-th equal share; a torchrun group's rank k its k-th GPU
+            share = len(gpus) // self.pipe.stages[sid].replicas
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[replica * share:(replica + 1) * share]))
+        if cpus is not None:  # placement: the OS, OpenMP (torch) and vLLM's CPU backend keep to these CPUs
+            env["OMP_NUM_THREADS"] = str(max(1, len(cpus) // world_size))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         with open(log_path, "ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent if cpus is None else partial(_start_child, cpus))
         return Proc(f"{sid}.{replica}", popen, log_path)
 
     def supervise(self, progress: Progress) -> None:
@@ -168,8 +182,10 @@ class Runner:
             progress.update(time.monotonic() - self.start_s)
             if (polls := polls + 1) % 10 == 0:
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
-            for p in self.procs:
-                p.descendants |= _descendants(p.popen.pid)
+            if polls % 5 == 1:  # one scan of the process table a second (each scan reads all of /proc)
+                children = _children_map()
+                for p in self.procs:
+                    p.descendants |= _descendants(p.popen.pid, children)
             codes = [p.popen.poll() for p in self.procs]
             if any(c not in (None, 0) for c in codes):
                 self.failure = self._root_cause()
@@ -238,8 +254,9 @@ class Runner:
     def _finish(self, metrics: dict[str, Any], wall_s: float) -> int:
         failure = self.failure or {}
         status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
+        results = {name: metrics.get(key) for name, key in self.pipe.spec.results.items()}
         summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
-                   "error": failure.get("error"), "metrics": metrics}
+                   "error": failure.get("error"), "results": results, "metrics": metrics}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if status == "ok":
             log.info("run finished in %.1f s: %s", wall_s, self.run_dir)
@@ -251,11 +268,24 @@ class Runner:
         return 1
 
 
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from one scan of the process table."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    return children
+
+
+def _descendants(pid: int, children: dict[int, list[int]] | None = None) -> set[int]:
+    """Every process below ``pid`` (from ``children`` if given, else a fresh scan)."""
+    children = _children_map() if children is None else children
+    found, todo = set(), list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if child not in found:
+            found.add(child)
+            todo += children.get(child, [])
+    return found
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -113,7 +113,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
     """Instantiate one stage with its ports wired for this process."""
     host = pipe.stages[node.colocate_with] if node.colocate_with else node
     name = f"{node.id}.{replica}"
-    resume_from, recorded = resume_plan(run_dir, name)
+    resume_from, recorded = resume_plan(run_dir, name) if node.id in pipe.checkpointed() else (None, {})
     ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size, resume_from=resume_from)
     suffix = "" if world_size == 1 else f".rank{rank}"
     ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,

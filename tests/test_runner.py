@@ -164,3 +164,35 @@ def test_tcp_edges_bind_to_loopback(tmp_path, no_orphans):
     endpoints = [ep for w in wiring.values() for ep in w["endpoints"]]
     assert endpoints and all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints)
     assert len(recorded_rows(tmp_path / "run", "shape.out--sink.in")) == 24
+
+
+def test_a_stage_runs_on_its_cpus_and_results_reach_the_summary(tmp_path, no_orphans):
+    import os
+
+    last = sorted(os.sched_getaffinity(0))[-1]
+    spec = chain(num_groups=8, groups_per_batch=1)
+    spec["stages"]["sink"] = {"class": "tests.doubles.stages.Placement", "cpus": str(last), "replicas": 2,
+                              "gpus": "3-4"}
+    spec["results"] = {"cpu": "sink/cpus", "threads": "sink/threads", "rows": "sink/rows_in", "absent": "x/y"}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    assert summary["results"] == {"cpu": last, "threads": 1, "rows": 32, "absent": None}
+    assert summary["metrics"]["sink/num_cpus"] == 1
+    seen = {}
+    for replica in (0, 1):  # each replica its share of the GPUs
+        path = tmp_path / "run" / "metrics" / f"sink.{replica}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        seen[replica] = {json.loads(line)["values"].get("sink/gpu") for line in lines} - {None}
+    assert all(gpus <= {3 + r} for r, gpus in seen.items()) and any(seen.values()), seen
+
+
+def test_cpus_are_checked_when_the_pipeline_loads():
+    from molt.pipeline import Pipeline
+
+    spec = chain(num_groups=1)
+    spec["stages"]["sink"]["cpus"] = "0-4096"
+    with pytest.raises(ValueError, match=r"stages.sink.cpus: CPUs '0-4096' are not all available"):
+        Pipeline.from_spec(spec)
+    spec["stages"]["sink"]["cpus"] = "zero"
+    with pytest.raises(ValueError, match=r"stages.sink.cpus: .zero. is not an id list"):
+        Pipeline.from_spec(spec)

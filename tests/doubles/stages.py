@@ -136,6 +136,20 @@ class Counter(Transform):
         return {"rows": self.rows}
 
 
+class Placement(Transform):
+    """A sink that logs the CPUs it may run on and its OpenMP thread count."""
+
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        import os
+
+        import torch
+
+        self.metrics.log({"cpus": float(sorted(os.sched_getaffinity(0))[-1]), "num_cpus": len(os.sched_getaffinity(0)),
+                          "threads": torch.get_num_threads(), "gpu": int(os.environ.get("CUDA_VISIBLE_DEVICES", -1))})
+
+
 class NeedsAdvantages(Transform):
     """Reads a column that nothing upstream writes (for the edge-schema check)."""
 
