@@ -1,0 +1,51 @@
+"""The README's first example, `pipelines/quickstart.yaml`, run short: every stage real (vLLM rollout and
+evaluation engines, FSDP2 trainer, verified refit), two optimizer steps, then `molt plot` on its run."""
+
+import json
+
+from molt.pipeline import Pipeline
+from molt.plot import plot_run
+from molt.recording import read_batches
+from molt.runner import Runner
+
+SHORT = [
+    "stages.source.config.task.num_problems=8", "stages.source.config.prompts_per_batch=4",
+    "stages.source.config.checkpoint_every_batches=1",
+    "stages.rollout.config.group_size=4", "stages.rollout.config.groups_per_step=4",
+    "stages.pack.config.groups_per_step=4",
+    "stages.evaluate.config.task.num_problems=16", "stages.evaluate.config.every_versions=1",
+]
+
+
+def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model_dir, tmp_path, no_orphans):
+    run = tmp_path / "run"
+    code = Runner(Pipeline.from_yaml("pipelines/quickstart.yaml", SHORT), run, live=False).run()
+    summary = json.loads((run / "summary.json").read_text())
+    assert code == 0, summary["error"]
+    results = summary["results"]
+    assert results["steps"] == 2 and results["evaluated_version"] == 2
+    assert 0 <= results["accuracy_baseline"] <= 1 and 0 <= results["accuracy_final"] <= 1
+    assert results["tokens_generated"] > 0 and results["tokens_trained"] > results["tokens_generated"]
+    assert 0 <= results["mean_staleness"] <= 1, "max_staleness: 1 holds"
+    assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"
+    evals = [r["policy_version"] for b in read_batches(run / "record" / "evaluate.out--eval_sink.in")
+             for r in b.to_pylist()]
+    assert evals[0] == 0 and evals[-1] == 2 and evals == sorted(set(evals)), evals  # the newest when several wait
+    steps = [r for b in read_batches(run / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    assert [r["policy_version"] for r in steps] == [1, 2] and all(r["num_rows"] == 16 for r in steps)
+    assert sum(b.num_rows for b in read_batches(run / "record" / "rollout.out--reward.in")) == 32
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["barrier_2"], "keep_checkpoints: 1"
+    names = {p.name for p in plot_run(run)}
+    assert {"reward.png", "eval.png", "logprob_diff.png", "staleness.png", "time.png"} <= names, names
+
+
+def test_the_gsm8k_pipelines_load_the_shipped_data_and_its_answers_grade_right():
+    cpu, gpu = Pipeline.from_yaml("pipelines/gsm8k.yaml"), Pipeline.from_yaml("pipelines/gsm8k_gpu.yaml")
+    train = cpu.stages["source"].config.task.load()
+    test = gpu.stages["evaluate"].config.task.load()
+    assert (train.num_records, test.num_records) == (7473, 1319)  # OpenAI's GSM8K train and test splits
+    grader = cpu.stages["reward"].config.grader
+    record = test.record(0)
+    assert grader.grade("She sells 9 eggs for $2 each.\n#### 18", str(record["answer"])).score == 1.0
+    assert grader.grade("#### 17", str(record["answer"])).score == 0.0
+    assert gpu.stages["rollout"].gpus == [0, 1, 2, 3] and gpu.stages["train"].gpus == [4, 5, 6, 7]
