@@ -182,10 +182,8 @@ class Runner:
             progress.update(time.monotonic() - self.start_s)
             if (polls := polls + 1) % 10 == 0:
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
-            if polls % 5 == 1:  # one scan of the process table a second (each scan reads all of /proc)
-                children = _children_map()
-                for p in self.procs:
-                    p.descendants |= _descendants(p.popen.pid, children)
+            for p in self.procs:
+                p.descendants |= _descendants(p.popen.pid)
             codes = [p.popen.poll() for p in self.procs]
             if any(c not in (None, 0) for c in codes):
                 self.failure = self._root_cause()
@@ -268,24 +266,11 @@ class Runner:
         return 1
 
 
-def _children_map() -> dict[int, list[int]]:
-    """Parent pid -> child pids, from one scan of the process table."""
-    children: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        children.setdefault(proc.info["ppid"], []).append(proc.pid)
-    return children
-
-
-def _descendants(pid: int, children: dict[int, list[int]] | None = None) -> set[int]:
-    """Every process below ``pid`` (from ``children`` if given, else a fresh scan)."""
-    children = _children_map() if children is None else children
-    found, todo = set(), list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        if child not in found:
-            found.add(child)
-            todo += children.get(child, [])
-    return found
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
