@@ -49,6 +49,9 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
     if resume is not True and path.exists() and any(path.iterdir()):
         raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir, "
                          "or --resume it to continue from its last checkpoint")
+    # SIGINT explicitly too: a shell without job control starts background commands with SIGINT
+    # ignored, and Python keeps an inherited SIG_IGN, so Ctrl-C/`kill -INT` would do nothing.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     return Runner(pipe, path, resume=resume).run()
 

@@ -95,8 +95,10 @@ def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans
                  num_groups=8)
     path = tmp_path / "p.yaml"
     path.write_text(json.dumps(spec))  # JSON is YAML
+    # Started as a shell without job control starts `molt run &`: with SIGINT ignored (inherited).
     proc = subprocess.Popen([*MOLT, "run", str(path), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     pid_files = [run_dir / f"pids.slow.{r}" for r in range(2)]
     deadline = time.monotonic() + 60
     while not all(p.exists() for p in pid_files) and time.monotonic() < deadline:
