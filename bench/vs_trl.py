@@ -183,7 +183,9 @@ def main() -> None:
                      "python3 -m venv .venv-trl && .venv-trl/bin/pip install trl==1.16.0 torch==2.13.0")
     with tempfile.TemporaryDirectory(prefix="molt-vs-trl-") as tmp:
         work = Path(tmp)
-        molt = None if args.skip_molt else molt_side(args.steps, work)
+        same = (f"stages.train.config.optim.lr={LR}", f"stages.rollout.config.max_new_tokens={MAX_NEW_TOKENS}",
+                f"stages.rollout.config.temperature={TEMPERATURE}", f"stages.train.config.temperature={TEMPERATURE}")
+        molt = None if args.skip_molt else molt_side(args.steps, work, same)
         if molt:
             show("molt", molt)
         trl = trl_side(args.steps, work, args.trl_python, args.trl_generation)
