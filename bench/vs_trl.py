@@ -67,10 +67,10 @@ def molt_side(steps: int, work: Path, overrides: tuple[str, ...] = ()) -> dict:
 
     path = ROOT / "pipelines" / "quickstart.yaml"
     spec = load_yaml(path)
-    for name in ("evaluate", "eval_sink"):
+    dropped = {"evaluate", "eval_sink"}
+    for name in dropped:
         del spec["stages"][name]
-    spec["edges"] = [e for e in spec["edges"] if not e["to"].startswith(("evaluate", "eval_sink"))
-                     and not e["from"].startswith("evaluate")]
+    spec["edges"] = [e for e in spec["edges"] if not {e["from"].split(".")[0], e["to"].split(".")[0]} & dropped]
     spec["results"] = {}
     source = spec["stages"]["source"]["config"]
     source["task"]["num_problems"] = steps * PROMPTS_PER_STEP
