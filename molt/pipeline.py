@@ -112,7 +112,8 @@ class PipelineSpec(BaseModel):
     stop_timeout_s: float = Field(10.0, gt=0)
     keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")
     results: dict[str, str] = Field(default_factory=dict, description="summary.json 'results': name -> metric "
-                                    "key (its latest value; counters summed), e.g. accuracy: evaluate/accuracy")
+                                    "key (its latest value; counters summed; every value with its time in 'results_history'), "
+                                    "e.g. accuracy: evaluate/accuracy")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 

@@ -30,6 +30,9 @@ class Progress:
 
     def __init__(self, pipe: Pipeline, run_dir: Path, live: bool, log_every_s: float = 10.0) -> None:
         self.pipe, self.run_dir, self.live = pipe, Path(run_dir), live
+        self.start_unix = time.time()
+        # every value of the keys the pipeline's `results:` names, as [seconds since start, value]
+        self.history: dict[str, list[list[float]]] = {key: [] for key in pipe.spec.results.values()}
         self.offsets: dict[Path, int] = {}
         self.values: dict[str, dict[str, tuple[float, float]]] = {}  # key -> {replica: (time, value)}
         self.reduce: dict[str, str] = {}
@@ -72,6 +75,8 @@ class Progress:
                 self._out.write(line)
                 rec = json.loads(line)
                 for k, v in rec["values"].items():
+                    if k in self.history:
+                        self.history[k].append([round(rec["time"] - self.start_unix, 1), v])
                     self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = (rec["time"], v)
                 self.reduce.update(rec.get("reduce", {}))
 

@@ -3,7 +3,7 @@
 Run directory: ``pipeline.yaml`` (resolved config), ``wiring.json`` (endpoints),
 ``logs/{stage}.{replica}.log``, ``metrics/`` (per replica) merged into
 ``metrics.jsonl``, ``status/`` (per process), ``record/`` (recorded edges),
-``checkpoints/`` and ``summary.json``.
+``checkpoints/`` and ``summary.json`` (status, results and their history, metrics).
 
 Checkpoints (molt.checkpoint): stages save them at barriers; the runner keeps the
 newest ``keep_checkpoints`` complete ones. ``resume=True`` (``molt run --resume``)
@@ -212,7 +212,7 @@ class Runner:
                     shutil.rmtree(self.scratch, ignore_errors=True)
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
             progress.update(time.monotonic() - self.start_s)
-            return self._finish(progress.summary(), time.monotonic() - self.start_s)
+            return self._finish(progress, time.monotonic() - self.start_s)
 
     def stop(self) -> None:
         """Stop every process and its descendants: SIGTERM, then SIGKILL (idempotent)."""
@@ -249,12 +249,15 @@ class Runner:
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return {"stage": dead.name, "error": f"process {dead.popen.pid} {how}; see {dead.log_path}"}
 
-    def _finish(self, metrics: dict[str, Any], wall_s: float) -> int:
+    def _finish(self, progress: Progress, wall_s: float) -> int:
         failure = self.failure or {}
         status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
+        metrics = progress.summary()
         results = {name: metrics.get(key) for name, key in self.pipe.spec.results.items()}
+        history = {name: progress.history[key] for name, key in self.pipe.spec.results.items()}
         summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
-                   "error": failure.get("error"), "results": results, "metrics": metrics}
+                   "error": failure.get("error"), "results": results, "results_history": history,
+                   "metrics": metrics}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if status == "ok":
             log.info("run finished in %.1f s: %s", wall_s, self.run_dir)

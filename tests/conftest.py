@@ -83,7 +83,10 @@ def vllm_session(default_model_dir):
     loop = asyncio.new_event_loop()
 
     async def start() -> VLLMEngine:
-        return VLLMEngine(str(folder), dtype="float32", max_model_len=1024, kv_cache_gib=1)
+        # 32-token blocks (the pipelines' setting) so short test prompts do reach the prefix
+        # cache (vLLM's CPU default of 128 caches nothing below 128 prompt tokens)
+        return VLLMEngine(str(folder), dtype="float32", max_model_len=1024, kv_cache_gib=1,
+                          engine_kwargs={"block_size": 32})
 
     engine = loop.run_until_complete(start())
     logging.getLogger(__name__).warning("vLLM fp32 engine start: %.1f s", engine.start_seconds)

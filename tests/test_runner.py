@@ -179,6 +179,10 @@ def test_a_stage_runs_on_its_cpus_and_results_reach_the_summary(tmp_path, no_orp
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 0, summary["error"]
     assert summary["results"] == {"cpu": last, "threads": 1, "rows": 32, "absent": None}
+    history = summary["results_history"]  # every reported value, [seconds since the start, value]
+    assert history["absent"] == [] and [v for _, v in history["cpu"]] and {v for _, v in history["cpu"]} == {last}
+    times = [t for t, _ in history["rows"]]
+    assert times == sorted(times) and 0 <= times[0] <= times[-1] <= summary["wall_s"]
     assert summary["metrics"]["sink/num_cpus"] == 1
     seen = {}
     for replica in (0, 1):  # each replica its share of the GPUs

@@ -18,6 +18,11 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16, description="context window (tokens)")
     kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size (GiB)")
     max_num_seqs: int = Field(256, ge=1, description="vLLM sequences decoded at once")
+    block_size: int | None = Field(
+        None, ge=16, multiple_of=16,
+        description="vLLM KV-cache block (tokens; None = vLLM's default, 128 on CPU, where it must be a "
+                    "multiple of 32). Only whole blocks are prefix-cached, so the samples of a group "
+                    "share their prompt's prefill only for blocks shorter than the prompt.")
 
 
 def make_engine(config: EngineConfig, model_dir: str) -> Engine:
@@ -26,7 +31,8 @@ def make_engine(config: EngineConfig, model_dir: str) -> Engine:
         from molt.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
-                          kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs)
+                          kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
+                          engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
     import torch
 
     from molt.engines.hf import TransformersEngine
