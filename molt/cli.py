@@ -7,6 +7,7 @@
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
 ``molt plot RUN_DIR``
 ``molt models prepare NAME``
+``molt models upcycle SOURCE OUT [--experts E] [--top-k K] [--seed S]``
 """
 
 from __future__ import annotations
@@ -218,8 +219,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from molt.models import prepare
+    from molt.models import prepare, resolve_model
 
+    if args.models_command == "upcycle":
+        from molt.models.upcycle import upcycle
+
+        print(upcycle(resolve_model(args.source), Path(args.out), args.experts, args.top_k, args.seed))
+        return 0
     print(prepare(args.name))
     return 0
 
@@ -256,6 +262,13 @@ def parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     prep = msub.add_parser("prepare", help="convert a model into a local Hugging Face folder")
     prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    up = msub.add_parser("upcycle", help="turn a dense Llama-style model into a Mixtral-style MoE with the same "
+                         "logits (each MLP copied into every expert, a fresh router)")
+    up.add_argument("source", help="a dense model: folder, hub id or smollm2-135m-instruct")
+    up.add_argument("out", help="the new folder to write")
+    up.add_argument("--experts", type=int, default=4, help="experts per layer (E)")
+    up.add_argument("--top-k", type=int, default=2, help="experts per token (k)")
+    up.add_argument("--seed", type=int, default=0, help="seed of the router initialisation")
     return p
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 BUDGET_FILE_LINES = 420  # largest single file
 BUDGET_FUNCTION_LINES = 60  # largest single function (STYLE: 90th percentile 40-60)
-BUDGET_TOTAL_LINES = 10600  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit)
+BUDGET_TOTAL_LINES = 11400  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit;
+#                            from 10600: mixture-of-experts policies, issue #7)
 ROOTS = ("molt", "stages")
 
 
