@@ -6,11 +6,14 @@ Writes into ``RUN_DIR/plots/``:
 * ``eval.png``         held-out accuracy per policy version with one standard error
                        (``*/accuracy``, ``*/accuracy_stderr`` of an evaluate stage)
 * ``logprob_diff.png`` |trainer - rollout| logprob of the trained tokens per step, mean
-                       and max (``train/logprob_diff/abs_mean``, ``abs_max``)
+                       and max (``train/logprob_diff/abs_mean``, ``abs_max``); a sample
+                       generated k versions ago also differs by those k updates, so with
+                       max_staleness 1 the max reaches nats on rare tokens
 * ``staleness.png``    histogram of the steps' largest token lag (``train/lag/max``):
                        version trained at minus version generated with
 * ``time.png``         seconds spent per stage, summed over the run: train steps,
-                       weight export, refits, evaluations, generation wall time
+                       weight export, refits, evaluations, and generation's wall time
+                       (``rollout/generate_seconds``: first request to the end)
 
 A figure whose metrics the run does not have is skipped (and not listed).
 """
@@ -91,7 +94,8 @@ def _reward(series: Series) -> Any:
 
 def _logprob_diff(series: Series) -> Any:
     keys = [k for k in ("train/logprob_diff/abs_mean", "train/logprob_diff/abs_max") if k in series]
-    return _lines(series, keys, "trainer vs rollout logprobs", "|difference| (nats)")
+    # a stale sample's tokens also differ by the updates since it was generated
+    return _lines(series, keys, "trainer vs rollout logprobs (incl. staleness)", "|difference| (nats)")
 
 
 def _eval(series: Series) -> Any:
@@ -112,6 +116,7 @@ def _staleness(series: Series) -> Any:
     figure, ax = _figure("staleness per step", "largest token lag (versions)", "train steps")
     lags = [int(v) for _, v in series["train/lag/max"]]
     ax.hist(lags, bins=range(min(lags), max(lags) + 2), align="left", rwidth=0.8)
+    ax.set_xticks(range(min(lags), max(lags) + 1))
     return figure
 
 
@@ -119,8 +124,10 @@ def _time(series: Series) -> Any:
     parts = {"train steps": "train/step_seconds", "weight export": "broadcast/export_seconds",
              "refits": "rollout/refit_seconds", "evaluations": "evaluate/seconds"}
     totals = {label: sum(v for _, v in series[key]) for label, key in parts.items() if key in series}
+    if "rollout/generate_seconds" in series:  # wall time from the first request to the end (logged once)
+        totals["generation (wall)"] = series["rollout/generate_seconds"][-1][1]
     if not totals:
         return None
-    figure, ax = _figure("time per stage (summed over the run)", "", "seconds")
-    ax.bar(list(totals), list(totals.values()))
+    figure, ax = _figure("time per stage (summed over the run)", "seconds", "")
+    ax.barh(list(totals), list(totals.values()))
     return figure

@@ -47,6 +47,7 @@ from molt.stage import Port, Service, StageConfig
 from molt.train.checkpoint import load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
+from molt.train.moe import freeze_routers
 from molt.train.optim import OptimConfig, make_optimizer
 from molt.train.step import STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_staleness, train_step
 from molt.transport import Barrier
@@ -67,6 +68,8 @@ class Train(Service):
             "CUDA and on CPUs with native bf16 (molt.train.model.resolve_compute_dtype), else fp32")
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
+        freeze_router: bool = Field(False, description="MoE: routers get no gradient, stay bit-identical "
+                                    "(molt.train.moe)")
         seed: int = 0
         optim: OptimConfig = Field(default_factory=OptimConfig)
 
@@ -89,8 +92,10 @@ class Train(Service):
         torch.manual_seed(c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
+        if c.freeze_router:
+            freeze_routers(model.lm, f"stages.{self.ctx.stage_id}.config.freeze_router")
         self.model = shard_policy(model, c.compute_dtype, c.device)
-        self.optimizer = make_optimizer(list(self.model.parameters()), c.optim)
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], c.optim)
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False

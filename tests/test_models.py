@@ -152,7 +152,25 @@ def test_an_interrupted_conversion_leaves_no_cache_entry(
     with pytest.raises(RuntimeError, match="conversion interrupted"):
         resolve_model(DEFAULT_MODEL, cache_dir=tmp_path)
     assert len(calls) == 1
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [f".lock-{DEFAULT_MODEL}"]  # the lock file only
+
+
+def test_stages_preparing_the_default_at_once_convert_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls: list[Path] = []
+    fake = _fake_build(calls)
+
+    def slow_build(folder: Path) -> None:
+        time.sleep(0.5)  # the others arrive while this one converts
+        fake(folder)
+
+    monkeypatch.setattr(smollm2, "build", slow_build)
+    with caplog.at_level(logging.WARNING), ThreadPoolExecutor(3) as pool:
+        folders = list(pool.map(lambda _: resolve_model(DEFAULT_MODEL, cache_dir=tmp_path), range(3)))
+    assert folders == [tmp_path / DEFAULT_MODEL] * 3 and len(calls) == 1
+    assert "interrupted conversion" not in caplog.text  # nobody mistook another's work in progress for a leftover
 
 
 def test_a_cache_entry_without_the_marker_is_refused(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
 """The README's first example, `pipelines/quickstart.yaml`, run short: every stage real (vLLM rollout and
-evaluation engines, FSDP2 trainer, verified refit), two optimizer steps, then `molt plot` on its run."""
+evaluation engines, FSDP2 trainer, verified refit), two optimizer steps, then `molt plot` and
+`molt replay --from-step` on its run."""
 
 import json
+import subprocess
 
 from molt.pipeline import Pipeline
 from molt.plot import plot_run
 from molt.recording import read_batches
 from molt.runner import Runner
+from tests.test_checkpoint import MOLT, step_records
 
 SHORT = [
     "stages.source.config.task.num_problems=8", "stages.source.config.prompts_per_batch=4",
@@ -34,9 +37,17 @@ def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model
     steps = [r for b in read_batches(run / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
     assert [r["policy_version"] for r in steps] == [1, 2] and all(r["num_rows"] == 16 for r in steps)
     assert sum(b.num_rows for b in read_batches(run / "record" / "rollout.out--reward.in")) == 32
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["barrier_2"], "keep_checkpoints: 1"
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["barrier_1", "barrier_2"], \
+        "keep_checkpoints: 2"
     names = {p.name for p in plot_run(run)}
     assert {"reward.png", "eval.png", "logprob_diff.png", "staleness.png", "time.png"} <= names, names
+    # the README's `molt replay RUN_DIR --from-step K`: the training side re-run from the recorded trajectories
+    out = subprocess.run([*MOLT, "replay", str(run), "--from-step", "1", "--run-dir", str(tmp_path / "replay")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    replayed = step_records(tmp_path / "replay")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in replayed] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in step_records(run)[1:]]
 
 
 def test_the_gsm8k_pipelines_load_the_shipped_data_and_its_answers_grade_right():

