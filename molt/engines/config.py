@@ -21,8 +21,8 @@ class EngineConfig(BaseModel):
     block_size: int | None = Field(
         None, ge=16, multiple_of=16,
         description="vLLM KV-cache block (tokens; None = vLLM's default, 128 on CPU, where it must be a "
-                    "multiple of 32). Only whole blocks are prefix-cached, so the samples of a group "
-                    "share their prompt's prefill only for blocks shorter than the prompt.")
+                    "multiple of 32). Only full blocks are prefix-cached, so the samples of a group share "
+                    "the prefill of the blocks their prompt fills completely (32: 1 of a 46-token prompt).")
 
 
 def make_engine(config: EngineConfig, model_dir: str) -> Engine:
