@@ -5,8 +5,9 @@ A transformers MoE block (Mixtral's ``MixtralSparseMoeBlock``, Qwen3-MoE's
 child, the router: logits = W_r h [T, E], softmax, top-k. Routing decisions are
 discrete, so rounding in the router flips experts: the router runs in fp32 even
 when the rest computes in bf16 (`fp32_router_policy`: FSDP2 keeps its parameters
-fp32 and casts its inputs to fp32), as MoE RL recipes do (e.g. Qwen3 and
-DeepSeek-V3 keep the gate in fp32).
+fp32 and casts its inputs to fp32); DeepSeek-V3's report (arXiv 2412.19437, §3.3)
+likewise keeps its gating modules in their original precision under low-precision
+training.
 
 ``freeze_router``: the routers get no gradient and no optimizer state, so their
 weights stay bit-identical across steps while the experts train.
