@@ -70,6 +70,8 @@ class Train(Service):
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         freeze_router: bool = Field(False, description="MoE: routers get no gradient, stay bit-identical "
                                     "(molt.train.moe)")
+        expert_parallel_size: int = Field(1, ge=1, description="MoE: 1, or the world size to shard the experts "
+                                          "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
         seed: int = 0
         optim: OptimConfig = Field(default_factory=OptimConfig)
 
@@ -92,9 +94,17 @@ class Train(Service):
         torch.manual_seed(c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
+        key = f"stages.{self.ctx.stage_id}.config"
         if c.freeze_router:
-            freeze_routers(model.lm, f"stages.{self.ctx.stage_id}.config.freeze_router")
-        self.model = shard_policy(model, c.compute_dtype, c.device)
+            freeze_routers(model.lm, f"{key}.freeze_router")
+        if c.router_aux_loss_coef and (model.router_probe is None or c.freeze_router):
+            raise ValueError(f"{key}.router_aux_loss_coef: " + ("the model has no mixture-of-experts router"
+                             if model.router_probe is None else "frozen routers (freeze_router) cannot learn "
+                             "from it") + "; hint: router_aux_loss_coef: 0")
+        try:
+            self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from err
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], c.optim)
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -196,3 +197,120 @@ def test_a_frozen_router_stays_bit_identical_while_the_experts_train(tiny_moe, f
 def test_freezing_the_router_of_a_dense_model_is_refused_naming_the_key(tiny_chat_model):
     with pytest.raises(ValueError, match=r"stages.train.config.freeze_router: the model has no mixture-of-experts"):
         train_stage(tiny_chat_model, freeze_router=True)
+
+
+# ---- load metrics, the load-balancing loss, expert parallelism --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_distinct(tiny_moe, tmp_path_factory):
+    """``tiny_moe`` with every expert perturbed differently (upcycled experts are all equal, which
+    would hide a token sent to the wrong expert)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    folder = tmp_path_factory.mktemp("tiny-moe-distinct") / "moe"
+    lm.save_pretrained(folder)
+    for item in Path(tiny_moe).iterdir():
+        if item.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(item, folder / item.name)
+    return folder
+
+
+def test_a_step_reports_expert_load_and_adds_the_weighted_aux_loss(tiny_moe_distinct):
+    from molt.train.moe import load_metrics
+    from tests.test_train import random_groups, step_batch
+
+    assert load_metrics(torch.tensor([[4.0, 4.0, 4.0, 4.0]]))["moe/load_max"] == 1.0
+    assert load_metrics(torch.tensor([[16.0, 0.0, 0.0, 0.0]]))["moe/load_max"] == 4.0
+    batch = step_batch(random_groups())  # one micro-batch, no inert rows: the aux term has weight 1
+    runs = {}
+    for coef in (0.0, 1.0):
+        stage = train_stage(tiny_moe_distinct, router_aux_loss_coef=coef)
+        result = stage_step(stage, batch)
+        runs[coef] = result, stage.model.lm.model.layers[0].mlp.gate.weight.detach().clone()
+    (plain, router), (balanced, router_balanced) = runs[0.0], runs[1.0]
+    shares = [plain.metrics[f"moe/expert_share/e{j}"] for j in range(4)]
+    assert sum(shares) == pytest.approx(1.0) and 1.0 <= plain.metrics["moe/load_max"] <= 4.0
+    assert 0.0 < plain.metrics["moe/aux_loss"] <= 4.0  # E * sum_e f_e P_e <= E; k = 2 when balanced
+    assert balanced.loss == pytest.approx(plain.loss + plain.metrics["moe/aux_loss"], rel=1e-5)
+    assert not torch.equal(router, router_balanced)  # its gradient reaches the routers
+
+
+def test_the_aux_loss_is_refused_for_a_dense_model_or_frozen_routers(tiny_chat_model, tiny_moe):
+    with pytest.raises(ValueError, match=r"stages.train.config.router_aux_loss_coef: the model has no"):
+        train_stage(tiny_chat_model, router_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match=r"stages.train.config.router_aux_loss_coef: .*freeze_router"):
+        train_stage(tiny_moe, router_aux_loss_coef=0.01, freeze_router=True)
+
+
+def stage_step(stage, batch):
+    from molt.train import train_step
+
+    return train_step(stage.model, stage.optimizer, batch, stage.config, stage.config.optim, stage.version)
+
+
+def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file):
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    from molt.train import full_state_dict, load_policy, shard_policy, train_step
+    from molt.train.optim import make_optimizer
+    from tests.test_train import OBJECTIVE, OPTIM
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    batch = pa.ipc.open_stream(batch_bytes).read_next_batch()
+    for ep in (1, 2):
+        torch.manual_seed(0)
+        model = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
+        experts = model.lm.model.layers[0].mlp.experts
+        optimizer = make_optimizer(list(model.parameters()), OPTIM)
+        results = [train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=v) for v in range(2)]
+        weights = full_state_dict(model)
+        parallel = type(experts).__name__.startswith("ExpertParallel")
+        assert isinstance(experts.down_proj, DTensor) and parallel == (ep == 2)  # ep 1: FSDP shards, all-gathers
+        if ep == 2:  # a checkpoint of the expert-parallel trainer resumes it exactly
+            from pathlib import Path
+
+            from molt.train.checkpoint import load_train_state, save_train_state
+
+            save_train_state(Path(out_dir) / "ckpt", model, optimizer, Path(model_dir))
+            resumed = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
+            resumed_optimizer = make_optimizer(list(resumed.parameters()), OPTIM)
+            load_train_state(Path(out_dir) / "ckpt", resumed, resumed_optimizer)
+            third = [train_step(m, o, batch, OBJECTIVE, OPTIM, version=2).loss
+                     for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
+            assert third[0] == third[1], third
+        if rank == 0:
+            meta = {"loss": repr([r.loss for r in results]), "grad_norm": repr([r.grad_norm for r in results]),
+                    "load": repr(results[0].metrics["moe/expert_share/e0"])}
+            save_file(weights, f"{out_dir}/ep{ep}.safetensors", metadata=meta)
+    dist.destroy_process_group()
+
+
+def test_expert_parallel_over_two_ranks_gives_the_same_losses_and_weights_as_without(tiny_moe_distinct, tmp_path):
+    from safetensors import safe_open
+
+    from tests.test_train import random_groups, step_batch
+
+    batch = step_batch(random_groups(seed=1), world_size=2, max_tokens=30)  # several micro-batches per rank
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    torch.multiprocessing.spawn(_ep_rank_main, args=(str(tiny_moe_distinct), sink.getvalue().to_pybytes(),
+                                                     str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
+    with safe_open(str(tmp_path / "ep1.safetensors"), "pt") as one, \
+            safe_open(str(tmp_path / "ep2.safetensors"), "pt") as two:
+        m1, m2 = one.metadata(), two.metadata()
+        for key in ("loss", "grad_norm"):
+            assert eval(m2[key]) == pytest.approx(eval(m1[key]), rel=1e-5), key
+        assert m2["load"] == m1["load"]
+        assert set(one.keys()) == set(two.keys()) and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in one.keys()
+        for name in one.keys():
+            torch.testing.assert_close(two.get_tensor(name), one.get_tensor(name), atol=2e-6, rtol=0)

@@ -32,7 +32,7 @@ from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
-from molt.train.moe import fp32_router_policy, routers
+from molt.train.moe import RouterProbe, fp32_router_policy, routers
 from molt.train.packing import PackedSequence
 
 logger = logging.getLogger(__name__)
@@ -94,11 +94,16 @@ def resolve_compute_dtype(compute_dtype: str, device: str) -> str:
 
 
 class PolicyModel(nn.Module):
-    """A causal LM whose forward maps a packed sequence to next-token logprobs [S]."""
+    """A causal LM whose forward maps a packed sequence to next-token logprobs [S].
+
+    ``router_probe``: a MoE model's molt.train.moe.RouterProbe (expert load, router
+    logits of the latest forward); None for a dense model.
+    """
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024) -> None:
         super().__init__()
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+        self.router_probe = RouterProbe(lm) if routers(lm) else None
 
     @property
     def shares_prompts(self) -> bool:
@@ -153,7 +158,8 @@ def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1
     return PolicyModel(lm, temperature, chunk_tokens).train()
 
 
-def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu") -> PolicyModel:
+def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu",
+                 expert_parallel_size: int = 1) -> PolicyModel:
     """FSDP2: ``fully_shard`` each decoder layer, then the wrapper (root), over all ranks (if > 1).
 
     ``compute_dtype`` "bfloat16" casts parameters to bf16 for compute while the sharded
@@ -170,10 +176,12 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     dicts through torch.distributed.checkpoint.state_dict work on both.
 
     ``device`` "cuda" puts rank r on GPU LOCAL_RANK (`resolve_device`); ``compute_dtype``
-    "auto" is resolved by `resolve_compute_dtype`.
+    "auto" is resolved by `resolve_compute_dtype`. ``expert_parallel_size`` > 1 (= the world
+    size) shards a MoE model's experts across the ranks instead (molt.train.expert_parallel).
 
     Raises:
-        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``) or ``device``.
+        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``) or ``device``; an
+            ``expert_parallel_size`` other than 1 or the world size, or a model it cannot shard.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -183,15 +191,24 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     ensure_process_group(device)
     if device != "cpu":
         model.to(device)
-    if dist.get_world_size() == 1 and compute_dtype == "float32":
+    world = dist.get_world_size()
+    if expert_parallel_size not in (1, world):
+        raise ValueError(f"expert_parallel_size must be 1 or the train stage's world size {world}; "
+                         f"got {expert_parallel_size}")
+    if world == 1 and compute_dtype == "float32":
         return model  # nothing to shard, cast or reduce: fully_shard would only add copies
-    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    mesh = init_device_mesh(device.split(":")[0], (world,))
+    experts: set[nn.Parameter] = set()
+    if expert_parallel_size > 1:
+        from molt.train.expert_parallel import shard_experts
+
+        experts = shard_experts(model.lm, mesh, "expert_parallel_size")
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for router in routers(model.lm):  # MoE: routing stays fp32 (molt.train.moe)
         fully_shard(router, mesh=mesh, mp_policy=fp32_router_policy())
     for layer in model.lm.model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
     return model
 
 

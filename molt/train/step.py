@@ -12,8 +12,9 @@ Every rank sees the whole batch and trains its own rows:
                 the proximal policy; one optimizer step per batch makes the separate
                 no-grad recompute pass unnecessary, its result would be identical)
          c    = correction(logp, rollout_logprobs)       # TIS, IcePop, ... (molt.algorithms)
-         L    = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
+          L    = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
          share = aggregation(L, loss_mask, step_loss_tokens, step_loss_seqs)
+                 [+ router_aux_loss_coef * aux * loss tokens / step_loss_tokens]   # MoE (molt.train.moe)
          backward(share * world_size)                     # FSDP averages over ranks; we want the sum
     3) clip the global grad norm, set the scheduled lr, AdamW step
 
@@ -42,6 +43,7 @@ from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, K
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
 from molt.schema import make_schema
+from molt.train.moe import load_metrics
 from molt.train.optim import OptimConfig, set_lr
 from molt.train.packing import pack_sequences
 
@@ -66,6 +68,8 @@ class ObjectiveConfig(BaseModel):
     aggregation: AggregationConfig = Field(default_factory=TokenMeanConfig)  # type: ignore[arg-type, assignment]
     anchor: Literal["rollout", "trainer"] = Field(
         "rollout", description="old logprobs of the policy ratio: the engine's, or the trainer's own")
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0, description="MoE: weight of the Switch load-balancing loss (molt.train.moe); 0 = off")
 
 
 @dataclass
@@ -127,13 +131,27 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         per_token = per_token + obj.kl.coef * token_kl
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
     metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl)
+    probe = getattr(model, "router_probe", None)
+    if probe is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
+        aux = probe.aux_loss()
+        metrics["moe/aux_loss"] = float(aux.detach())
+        if obj.router_aux_loss_coef:
+            share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
     return share, metrics
 
 
 def _dummy_loss(model: torch.nn.Module) -> Tensor:
-    """Zero loss through a 2-token forward: keeps FSDP collectives in step across ranks."""
+    """Zero loss through a 2-token forward: keeps FSDP (and expert-parallel) collectives in step
+    across ranks; MoE load counts leave it out."""
     packed = pack_sequences([[0, 0]])
-    return model(packed.input_ids, packed.position_ids).sum() * 0.0
+    probe = getattr(model, "router_probe", None)
+    if probe is not None:
+        probe.active = False
+    try:
+        return model(packed.input_ids, packed.position_ids).sum() * 0.0
+    finally:
+        if probe is not None:
+            probe.active = True
 
 
 def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
@@ -252,12 +270,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     lr = set_lr(optimizer, version, optim_cfg)
+    probe = getattr(model, "router_probe", None)
+    if probe is not None:
+        probe.take_counts()  # drop what forwards outside a step counted
     local_loss, parts = accumulate(model, batch, obj, rank, world_size)
     loss = torch.tensor([local_loss], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(loss)
     grad_norm = optimizer_step(model, optimizer, optim_cfg.grad_clip)
-    metrics = reduce_metrics(parts, metric_keys(obj))
+    metrics = reduce_metrics(parts, metric_keys(obj) + (["moe/aux_loss"] if probe is not None else []))
+    if probe is not None:
+        counts = probe.take_counts()
+        if world_size > 1:
+            dist.all_reduce(counts)
+        metrics.update(load_metrics(counts))
     num_tokens = sum(len(t) for t in batch.column("token_ids").to_pylist())
     return StepResult(float(loss), grad_norm, lr, num_tokens, metrics)
 
