@@ -173,6 +173,27 @@ def test_stages_preparing_the_default_at_once_convert_it_once(tmp_path: Path, mo
     assert "interrupted conversion" not in caplog.text  # nobody mistook another's work in progress for a leftover
 
 
+def test_the_built_in_moe_upcycles_the_default_once_in_a_fresh_cache(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from molt.models import upcycle as upcycle_module
+    from molt.models.resolve import DEFAULT_MOE
+
+    calls: list[Path] = []
+    upcycles: list[tuple[Path, Path]] = []
+
+    def fake_upcycle(source: Path, out: Path) -> Path:
+        upcycles.append((source, out))
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(smollm2, "build", _fake_build(calls))
+    monkeypatch.setattr(upcycle_module, "upcycle", fake_upcycle)
+    for _ in range(2):
+        assert resolve_model(DEFAULT_MOE, cache_dir=tmp_path) == tmp_path / DEFAULT_MOE
+    assert len(calls) == 1 and upcycles == [(tmp_path / DEFAULT_MODEL, tmp_path / DEFAULT_MOE)]
+
+
 def test_a_cache_entry_without_the_marker_is_refused(tmp_path: Path) -> None:
     (tmp_path / DEFAULT_MODEL).mkdir()
     (tmp_path / DEFAULT_MODEL / "config.json").write_text("{}")

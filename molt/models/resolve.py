@@ -85,10 +85,10 @@ def _built_in(name: str, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     if not (cache / name).is_dir():
         logger.info("preparing %s in %s (or waiting for the process that is)", name, cache)
+    from molt.models.smollm2 import ensure_smollm2
+
     with FileLock(cache / f".lock-{name}"):
         if name == DEFAULT_MODEL:
-            from molt.models.smollm2 import ensure_smollm2
-
             return ensure_smollm2(cache)
         folder = cache / DEFAULT_MOE  # the default upcycled: 4 experts, top-2, seed 0
         if folder.is_dir():
