@@ -14,6 +14,9 @@ Writes into ``RUN_DIR/plots/``:
 * ``time.png``         seconds spent per stage, summed over the run: train steps,
                        weight export, refits, evaluations, and generation's wall time
                        (``rollout/generate_seconds``: first request to the end)
+* ``expert_load.png``  MoE: each expert's share of the top-k routing slots per step, summed
+                       over layers (``train/moe/expert_share/e*``), and the busiest expert's
+                       load over its layer's mean (``train/moe/load_max``; 1 = balanced)
 
 A figure whose metrics the run does not have is skipped (and not listed).
 """
@@ -61,7 +64,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     written = []
     for name, draw in (("reward", _reward), ("eval", _eval), ("logprob_diff", _logprob_diff),
-                       ("staleness", _staleness), ("time", _time)):
+                       ("staleness", _staleness), ("time", _time), ("expert_load", _expert_load)):
         figure = draw(series)
         if figure is not None:
             figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
@@ -130,4 +133,20 @@ def _time(series: Series) -> Any:
         return None
     figure, ax = _figure("time per stage (summed over the run)", "seconds", "")
     ax.barh(list(totals), list(totals.values()))
+    return figure
+
+
+def _expert_load(series: Series) -> Any:
+    shares = [k for k in sorted(series) if k.startswith("train/moe/expert_share/")]
+    if not shares:
+        return None
+    figure, ax = _figure("expert load (MoE), all layers", "train step", "share of top-k slots")
+    for key in shares:
+        ax.plot(*zip(*series[key]), marker=".", label=key.rsplit("/", 1)[1])
+    ax.axhline(1 / len(shares), color="grey", linestyle=":", label="balanced")
+    if "train/moe/load_max" in series:
+        twin = ax.twinx()
+        twin.plot(*zip(*series["train/moe/load_max"]), color="black", linestyle="--", label="load_max")
+        twin.set_ylabel("busiest expert / layer mean (dashed)")
+    ax.legend(fontsize=7, ncol=2)
     return figure

@@ -23,8 +23,11 @@ right -> accuracy 0.24, stderr sqrt(0.24 * 0.76 / 500) = 0.019.
 
 Weight files: a record's file is hard-linked into this stage's own folder as it
 arrives, so the broadcast's pruning (``keep_versions``) or its exit cannot delete the
-weights of a version still to be evaluated. A file pruned before its record was read
-(the broadcast prunes only after writing a newer one) is skipped for that newer one.
+weights of a version still to be evaluated. Only the newest link is kept (and the one an
+engine is loading, until it is loaded), also while an evaluation runs: a link per
+version received during a 4-minute evaluation held 1.5 GB each for a MoE policy. A file
+pruned before its record was read (the broadcast prunes only after writing a newer one)
+is skipped for that newer one.
 
     evaluate:
       class: stages.evaluate.Evaluate
@@ -96,6 +99,8 @@ class Evaluate(Service):
         self.engine = make_engine(c.engine, str(model_dir))
         self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
         self.folder = scratch_folder("molt-eval-")
+        self.newest: Path | None = None  # our newest link
+        self.loading: Path | None = None  # the link an engine is loading
         self.evaluated: list[int] = []
         self.log.info("%d held-out problems, every %d versions", len(self.problems), c.every_versions)
 
@@ -115,10 +120,7 @@ class Evaluate(Service):
             end = waiting[-1] is None
             records = [r for r in waiting if r is not None]
             due = due or any(r["policy_version"] % self.config.every_versions == 0 for r in records)
-            for record in [r for r in records if r["uri"] is not None]:
-                if last is not None:
-                    Path(last["uri"].removeprefix("file://")).unlink(missing_ok=True)
-                last = record
+            last = next((r for r in reversed(records) if r["uri"] is not None), last)  # older links: gone
             if due and last is not None and last["policy_version"] not in self.evaluated:
                 await self._load_and_evaluate(last)
                 due = False
@@ -133,9 +135,18 @@ class Evaluate(Service):
             while (item := await self.recv("weights")) is not None:
                 if isinstance(item, pa.RecordBatch):
                     for record in item.to_pylist():
-                        received.put_nowait(self._keep(record))
+                        received.put_nowait(self._link(record))
         finally:
             received.put_nowait(None)
+
+    def _link(self, record: dict[str, Any]) -> dict[str, Any]:
+        """`_keep` the record's file and drop our previous newest link, unless an engine is loading it."""
+        linked = self._keep(record)
+        if linked["uri"] is not None:
+            previous, self.newest = self.newest, Path(linked["uri"].removeprefix("file://"))
+            if previous is not None and previous not in (self.loading, self.newest):
+                previous.unlink(missing_ok=True)
+        return linked
 
     def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record with ``uri`` at a hard link of its file in our folder; ``uri`` None if the broadcast
@@ -154,7 +165,13 @@ class Evaluate(Service):
         return {**record, "uri": f"file://{link}"}
 
     async def _load_and_evaluate(self, record: dict[str, Any]) -> None:
-        await apply_weight_record(self.engine, record)
+        self.loading = Path(record["uri"].removeprefix("file://"))  # set before any await: `_link` spares it
+        try:
+            await apply_weight_record(self.engine, record)
+        finally:
+            if self.loading != self.newest:
+                self.loading.unlink(missing_ok=True)
+            self.loading = None
         await self.evaluate()
 
     async def evaluate(self) -> float:

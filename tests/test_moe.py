@@ -314,3 +314,25 @@ def test_expert_parallel_over_two_ranks_gives_the_same_losses_and_weights_as_wit
         assert set(one.keys()) == set(two.keys()) and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in one.keys()
         for name in one.keys():
             torch.testing.assert_close(two.get_tensor(name), one.get_tensor(name), atol=2e-6, rtol=0)
+
+
+def test_a_qwen3_moe_trains_under_fsdp2_with_fp32_routers_load_metrics_and_the_aux_loss(tmp_path):
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.test_train import random_groups, step_batch
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                            tie_word_embeddings=True)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "qwen3-moe")
+    stage = train_stage(tmp_path / "qwen3-moe", compute_dtype="bfloat16", router_aux_loss_coef=0.01)
+    experts = stage.model.lm.model.layers[0].mlp.experts
+    assert isinstance(experts.down_proj, DTensor)  # under FSDP2
+    before = experts.down_proj.full_tensor().clone()
+    result = stage_step(stage, step_batch(random_groups()))
+    assert {"moe/aux_loss", "moe/load_max", "moe/expert_share/e3"} <= set(result.metrics)
+    assert not torch.equal(before, experts.down_proj.full_tensor())
+    assert stage.model.lm.model.layers[0].mlp.gate.weight.dtype == torch.float32

@@ -12,7 +12,7 @@ Every rank sees the whole batch and trains its own rows:
                 the proximal policy; one optimizer step per batch makes the separate
                 no-grad recompute pass unnecessary, its result would be identical)
          c    = correction(logp, rollout_logprobs)       # TIS, IcePop, ... (molt.algorithms)
-          L    = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
+         L    = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
          share = aggregation(L, loss_mask, step_loss_tokens, step_loss_seqs)
                  [+ router_aux_loss_coef * aux * loss tokens / step_loss_tokens]   # MoE (molt.train.moe)
          backward(share * world_size)                     # FSDP averages over ranks; we want the sum
