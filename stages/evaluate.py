@@ -23,11 +23,9 @@ right -> accuracy 0.24, stderr sqrt(0.24 * 0.76 / 500) = 0.019.
 
 Weight files: a record's file is hard-linked into this stage's own folder as it
 arrives, so the broadcast's pruning (``keep_versions``) or its exit cannot delete the
-weights of a version still to be evaluated. Only the newest link is kept (and the one an
-engine is loading, until it is loaded), also while an evaluation runs: a link per
-version received during a 4-minute evaluation held 1.5 GB each for a MoE policy. A file
-pruned before its record was read (the broadcast prunes only after writing a newer one)
-is skipped for that newer one.
+weights of a version still to be evaluated; only the newest link (and one being loaded)
+is kept, also during an evaluation. A file pruned before its record was read (the
+broadcast prunes only after writing a newer one) is skipped for that newer one.
 
     evaluate:
       class: stages.evaluate.Evaluate
@@ -135,22 +133,14 @@ class Evaluate(Service):
             while (item := await self.recv("weights")) is not None:
                 if isinstance(item, pa.RecordBatch):
                     for record in item.to_pylist():
-                        received.put_nowait(self._link(record))
+                        received.put_nowait(self._keep(record))
         finally:
             received.put_nowait(None)
 
-    def _link(self, record: dict[str, Any]) -> dict[str, Any]:
-        """`_keep` the record's file and drop our previous newest link, unless an engine is loading it."""
-        linked = self._keep(record)
-        if linked["uri"] is not None:
-            previous, self.newest = self.newest, Path(linked["uri"].removeprefix("file://"))
-            if previous is not None and previous not in (self.loading, self.newest):
-                previous.unlink(missing_ok=True)
-        return linked
-
     def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The record with ``uri`` at a hard link of its file in our folder; ``uri`` None if the broadcast
-        had already pruned the file (it prunes only after writing a newer one, whose record follows)."""
+        """The record with ``uri`` at a hard link of its file in our folder, now our newest link (the
+        previous one is dropped unless an engine is loading it); ``uri`` None if the broadcast had
+        already pruned the file (it prunes only after writing a newer one, whose record follows)."""
         source = Path(record["uri"].removeprefix("file://"))
         link = self.folder / f"v{record['policy_version']}.safetensors"
         if not link.exists():
@@ -162,6 +152,9 @@ class Evaluate(Service):
                 return {**record, "uri": None}
             except OSError:  # another file system: copy instead
                 shutil.copy(source, link)
+        previous, self.newest = self.newest, link
+        if previous is not None and previous not in (self.loading, link):
+            previous.unlink(missing_ok=True)
         return {**record, "uri": f"file://{link}"}
 
     async def _load_and_evaluate(self, record: dict[str, Any]) -> None:

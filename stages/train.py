@@ -101,10 +101,7 @@ class Train(Service):
             raise ValueError(f"{key}.router_aux_loss_coef: " + ("the model has no mixture-of-experts router"
                              if model.router_probe is None else "frozen routers (freeze_router) cannot learn "
                              "from it") + "; hint: router_aux_loss_coef: 0")
-        try:
-            self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
-        except ValueError as err:
-            raise ValueError(f"{key}: {err}") from err
+        self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], c.optim)
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with

@@ -20,13 +20,13 @@ def test_only_the_newest_link_and_the_one_being_loaded_are_kept(tmp_path, monkey
                                                               "num_problems": 4}}), StageContext("evaluate"))
     stage.folder, stage.newest, stage.loading, stage.engine = own, None, None, None
     for version in (1, 2, 3):  # arriving while an evaluation runs: each replaces the one before
-        stage._link(record(broadcast, version))
+        stage._keep(record(broadcast, version))
     assert sorted(p.name for p in own.iterdir()) == ["v3.safetensors"]
 
     loaded = []
 
     async def load(engine, rec):
-        stage._link(record(broadcast, 4))  # a newer version arrives while v3 loads: v3 stays until loaded
+        stage._keep(record(broadcast, 4))  # a newer version arrives while v3 loads: v3 stays until loaded
         loaded.append(sorted(p.name for p in own.iterdir()))
 
     async def evaluate():
@@ -37,5 +37,5 @@ def test_only_the_newest_link_and_the_one_being_loaded_are_kept(tmp_path, monkey
     asyncio.run(stage._load_and_evaluate({"policy_version": 3, "uri": f"file://{own / 'v3.safetensors'}"}))
     assert loaded == [["v3.safetensors", "v4.safetensors"]]
     assert sorted(p.name for p in own.iterdir()) == ["v4.safetensors"]
-    pruned = stage._link({"policy_version": 5, "uri": f"file://{broadcast / 'gone.safetensors'}"})
+    pruned = stage._keep({"policy_version": 5, "uri": f"file://{broadcast / 'gone.safetensors'}"})
     assert pruned["uri"] is None and sorted(p.name for p in own.iterdir()) == ["v4.safetensors"]
