@@ -53,8 +53,8 @@ TRAJECTORY_FIELDS: tuple[pa.Field, ...] = (
     _field("images", pa.list_(pa.binary()), "encoded images (PNG/JPEG bytes) of the row"),
     _field("image_token_positions", _I32_LIST, "[num_image_tokens] positions of image placeholders"),
     _field("routed_experts", pa.binary(),
-           "[T, L, K] uint8/int16 expert ids chosen by the engine (routing replay); "
-           "shape and dtype in metadata"),
+           "[T, L, K] int16 (little-endian, C order) expert ids the engine routed each token to "
+           "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k"),
     _field("metadata", pa.string(), "JSON object: task fields, labels, diagnostics"),
 )
 

@@ -72,7 +72,8 @@ class Rollout(Service):
             raise ValueError("stages.rollout.config: set env or agent, not both; got both")
         for key in (k for k in ("env", "agent") if getattr(config, k)):  # a typo fails at load
             import_class(getattr(config, key), f"stages.rollout.config.{key}")
-        writes = WRITES + (("score",) if config.env or config.agent else ())
+        writes = WRITES + (("score",) if config.env or config.agent else ()) + (
+            ("routed_experts",) if config.engine.record_routing else ())
         return inputs, {"out": Port(writes=writes)}
 
     def setup(self) -> None:
@@ -90,8 +91,7 @@ class Rollout(Service):
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
-        _, outputs = self.ports(c)
-        self.schema = make_schema(resolve_fields(outputs["out"].writes, "Rollout"), "trajectory")
+        self.schema = make_schema(resolve_fields(self.ports(c)[1]["out"].writes, "Rollout"), "trajectory")
         self.num_groups, self.num_sent, self.resume_version = 0, 0, 0  # admitted, sent; version to wait for
         self.finished: dict[int, pa.RecordBatch | None] = {}  # by admission index, until sent in order
         if (c.env or c.agent) and c.max_turns == 1:

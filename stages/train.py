@@ -47,7 +47,7 @@ from molt.stage import Port, Service, StageConfig
 from molt.train.checkpoint import load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
-from molt.train.moe import freeze_routers
+from molt.train.moe import check_moe_keys, freeze_routers
 from molt.train.optim import OptimConfig, make_optimizer
 from molt.train.step import STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_staleness, train_step
 from molt.transport import Barrier
@@ -80,7 +80,8 @@ class Train(Service):
     @classmethod
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
         assert isinstance(config, cls.Config)
-        reads = STEP_READS + PACK_READS + (("ref_logprobs",) if config.kl is not None else ())
+        reads = STEP_READS + PACK_READS + (("ref_logprobs",) if config.kl is not None else ()) + (
+            ("routed_experts",) if config.routing_replay or config.routing_replay_compare else ())
         return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA)}
 
     def setup(self) -> None:
@@ -97,10 +98,7 @@ class Train(Service):
         key = f"stages.{self.ctx.stage_id}.config"
         if c.freeze_router:
             freeze_routers(model.lm, f"{key}.freeze_router")
-        if c.router_aux_loss_coef and (model.router_probe is None or c.freeze_router):
-            raise ValueError(f"{key}.router_aux_loss_coef: " + ("the model has no mixture-of-experts router"
-                             if model.router_probe is None else "frozen routers (freeze_router) cannot learn "
-                             "from it") + "; hint: router_aux_loss_coef: 0")
+        check_moe_keys(c, model.router_probe is not None, key)
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], c.optim)
         self.version = 0  # optimizer steps taken

@@ -95,3 +95,34 @@ def vllm_session(default_model_dir):
     engine.close()  # idempotent
     loop.run_until_complete(asyncio.sleep(0.1))  # let AsyncLLM's output task see its cancel
     loop.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tiny_chat_model, tmp_path_factory):
+    """The 2-layer random Llama upcycled to 4 experts, top-2."""
+    from molt.models.upcycle import upcycle
+
+    return upcycle(tiny_chat_model, tmp_path_factory.mktemp("tiny-moe") / "moe", num_experts=4, top_k=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_distinct(tiny_moe, tmp_path_factory):
+    """``tiny_moe`` with every expert perturbed differently (upcycled experts are all equal, which
+    would hide a token sent to the wrong expert)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    folder = tmp_path_factory.mktemp("tiny-moe-distinct") / "moe"
+    lm.save_pretrained(folder)
+    for item in Path(tiny_moe).iterdir():
+        if item.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(item, folder / item.name)
+    return folder

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -74,7 +76,7 @@ def moe_engine(vllm_session, upcycled):
 
     async def start() -> VLLMEngine:  # AsyncLLM binds to the loop it starts on
         return VLLMEngine(str(upcycled), dtype="float32", max_model_len=512, kv_cache_gib=0.5,
-                          engine_kwargs={"block_size": 32})
+                          record_routing=True, engine_kwargs={"block_size": 32})
 
     engine = loop.run_until_complete(start())
     yield engine
@@ -91,6 +93,49 @@ def test_vllm_serves_the_upcycled_moe_with_the_dense_models_greedy_output(vllm_s
     loop, dense, tokenizer, _ = vllm_session
     dense_out = greedy_replies(loop, dense, tokenizer, "dense")
     assert greedy_replies(loop, moe_engine, tokenizer, "moe") == dense_out and all(dense_out)
+
+
+def test_vllm_records_the_experts_of_every_token_incl_prefix_cache_hits_and_later_turns(vllm_session, moe_engine,
+                                                                                         upcycled):
+    from transformers import AutoModelForCausalLM
+
+    from molt.train.moe import routers
+
+    loop, _, tokenizer, _ = vllm_session
+    assert moe_engine.policy_version == 0, "runs before the refit test: compares with the upcycled weights"
+    prompt = chat(tokenizer, PROMPTS[2])  # 40 tokens: its first 32-token block is prefix-cached
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+
+    async def siblings():  # three at once, then one more that reads the first block from the prefix cache
+        outs = await asyncio.gather(*(moe_engine.generate(f"r3-{k}", prompt, params) for k in range(3)))
+        return [*outs, await moe_engine.generate("r3-late", prompt, params)]
+
+    outs = loop.run_until_complete(siblings())
+    assert moe_engine.routing_shape == (30, 2)
+    for out in outs:
+        routed = out.routed_experts
+        assert routed.shape == (len(prompt) + len(out.token_ids), 30, 2) and routed.dtype == np.int16
+        assert (routed[:-1] >= 0).all() and (routed[-1] == -1).all()  # the last sampled token is never fed
+        assert np.array_equal(routed[:len(prompt)], outs[0].routed_experts[:len(prompt)])
+    first = outs[0]
+    turn2 = prompt + first.token_ids + chat(tokenizer, "Again.")[1:]
+    second = loop.run_until_complete(moe_engine.generate("r3-0/t2", turn2, params))
+    seen = len(prompt) + len(first.token_ids) - 1  # positions the first turn routed
+    assert np.array_equal(second.routed_experts[:seen], first.routed_experts[:seen])
+    assert (second.routed_experts[:-1] >= 0).all()
+    # the trainer's own fp32 routing of the same tokens (the upcycled experts are equal, so only the
+    # routers' fp32 rounding can differ): the engine's choices are the trainer's on almost every pair
+    lm = AutoModelForCausalLM.from_pretrained(upcycled)
+    own: list[torch.Tensor] = []
+    for router in routers(lm):
+        router.register_forward_hook(lambda m, args, out: own.append(out[2]))
+    tokens = turn2 + second.token_ids
+    with torch.no_grad():
+        lm(torch.tensor([tokens]))
+    trainer = torch.stack(own, dim=1).sort(-1).values.numpy()[:-1]  # [T - 1, 30, 2]
+    engine = np.sort(second.routed_experts[:-1], -1)
+    disagreement = float((trainer != engine).any(-1).mean())
+    assert disagreement < 0.02, disagreement
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +186,6 @@ def test_a_moe_refit_is_verified_and_equals_a_fresh_engine_on_the_export(vllm_se
 
 
 # ---- the trainer: fp32 routers, frozen routers (molt.train.moe) ---------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tiny_chat_model, tmp_path_factory):
-    """The 2-layer random Llama upcycled to 4 experts, top-2."""
-    from molt.models.upcycle import upcycle
-
-    return upcycle(tiny_chat_model, tmp_path_factory.mktemp("tiny-moe") / "moe", num_experts=4, top_k=2)
 
 
 def test_routers_compute_in_fp32_while_the_experts_compute_in_bf16(tiny_moe):
@@ -202,32 +239,13 @@ def test_freezing_the_router_of_a_dense_model_is_refused_naming_the_key(tiny_cha
 # ---- load metrics, the load-balancing loss, expert parallelism --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_distinct(tiny_moe, tmp_path_factory):
-    """``tiny_moe`` with every expert perturbed differently (upcycled experts are all equal, which
-    would hide a token sent to the wrong expert)."""
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_moe)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in lm.model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    folder = tmp_path_factory.mktemp("tiny-moe-distinct") / "moe"
-    lm.save_pretrained(folder)
-    for item in Path(tiny_moe).iterdir():
-        if item.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(item, folder / item.name)
-    return folder
-
-
 def test_a_step_reports_expert_load_and_adds_the_weighted_aux_loss(tiny_moe_distinct):
     from molt.train.moe import load_metrics
     from tests.test_train import random_groups, step_batch
 
-    assert load_metrics(torch.tensor([[4.0, 4.0, 4.0, 4.0]]))["moe/load_max"] == 1.0
-    assert load_metrics(torch.tensor([[16.0, 0.0, 0.0, 0.0]]))["moe/load_max"] == 4.0
+    no_routing = [0.0] * 5
+    assert load_metrics(torch.tensor([4.0, 4.0, 4.0, 4.0, *no_routing]), 4)["moe/load_max"] == 1.0
+    assert load_metrics(torch.tensor([16.0, 0.0, 0.0, 0.0, *no_routing]), 4)["moe/load_max"] == 4.0
     batch = step_batch(random_groups())  # one micro-batch, no inert rows: the aux term has weight 1
     runs = {}
     for coef in (0.0, 1.0):

@@ -21,6 +21,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from molt.agents.base import AgentError, Env, Message
 from molt.agents.chat import ChatTemplate
 from molt.engines.base import Completion, Engine, SamplingParams
@@ -28,12 +30,20 @@ from molt.engines.base import Completion, Engine, SamplingParams
 
 @dataclasses.dataclass
 class Segment:
-    """Per-token lists of one row, all of length T."""
+    """Per-token lists of one row, all of length T; ``routed_experts`` int16 [T, L, k] or None.
+
+    Routing (when the engine records it): each turn's completion covers the whole
+    sequence so far (prompt, earlier turns, env tokens, its own tokens); a position keeps
+    the experts of the first turn that routed it, so a token's record is the routing of
+    the forward that first processed it (later turns reuse it through the prefix cache);
+    env tokens appended after the last turn stay -1 (never routed).
+    """
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[bool] = dataclasses.field(default_factory=list)
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     policy_version: list[int] = dataclasses.field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
     def extend_context(self, ids: list[int]) -> None:
         """Append prompt, tool or env tokens (not trained on)."""
@@ -43,11 +53,36 @@ class Segment:
         self.policy_version += [-1] * len(ids)
 
     def extend_generated(self, out: Completion) -> None:
-        """Append the engine's tokens, logprobs and versions untouched (trained on)."""
+        """Append the engine's tokens, logprobs and versions untouched (trained on), and merge its routing.
+
+        Raises:
+            ValueError: the completion's routing does not cover exactly the sequence so far.
+        """
         self.token_ids += out.token_ids
         self.loss_mask += [True] * len(out.token_ids)
         self.rollout_logprobs += out.logprobs
         self.policy_version += out.policy_versions
+        if out.routed_experts is None:
+            return
+        if len(out.routed_experts) != len(self.token_ids):
+            raise ValueError(f"the engine's routed_experts cover {len(out.routed_experts)} tokens, the sequence "
+                             f"has {len(self.token_ids)}")
+        merged = np.array(out.routed_experts, dtype=np.int16)
+        if self.routed_experts is not None:
+            kept = self.routed_experts[:len(merged)]
+            merged[:len(kept)] = np.where(kept >= 0, kept, merged[:len(kept)])
+        self.routed_experts = merged
+
+    def row(self) -> dict[str, Any]:
+        """The per-token columns of this segment, with ``routed_experts`` (int16 bytes of [T, L, k],
+        -1 where no forward routed, env tokens after the last turn included) when recorded."""
+        row: dict[str, Any] = {"token_ids": self.token_ids, "loss_mask": self.loss_mask,
+                               "rollout_logprobs": self.rollout_logprobs, "policy_version": self.policy_version}
+        if self.routed_experts is not None:
+            routed = np.full((len(self.token_ids), *self.routed_experts.shape[1:]), -1, np.int16)
+            routed[:len(self.routed_experts)] = self.routed_experts
+            row["routed_experts"] = routed.tobytes()
+        return row
 
 
 @dataclasses.dataclass
@@ -132,7 +167,7 @@ def episode_rows(ep: Episode, prompt_id: str, rollout_id: str, task: dict[str, A
     rows = []
     for s, seg in enumerate(ep.segments):
         row = {"sample_id": f"{rollout_id}/{s}", "prompt_id": prompt_id, "rollout_id": rollout_id,
-               "segment_index": s, **dataclasses.asdict(seg), "group_size": group_size,
+               "segment_index": s, **seg.row(), "group_size": group_size,
                "finish_reason": ep.finish_reason, "metadata": meta}
         if with_score:
             row["score"] = ep.score

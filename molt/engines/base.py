@@ -24,6 +24,8 @@ import dataclasses
 import logging
 from typing import Literal
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -95,12 +97,17 @@ class Completion:
             token; a completion that straddles a weight load holds two or more.
         finish_reason: "stop" (eos or a stop id), "length" (max_new_tokens) or
             "abort" (aborted, or the engine closed).
+        routed_experts: int16 [P + C, L, k] experts the engine routed each prompt
+            and generated token to (L MoE layers, k experts per token), -1 where
+            it routed none (always the last token); None unless the engine records
+            routing (`VLLMEngine(record_routing=True)`).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     policy_versions: list[int]
     finish_reason: FinishReason
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         """Check that the three per-token lists are aligned."""

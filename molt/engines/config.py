@@ -23,6 +23,9 @@ class EngineConfig(BaseModel):
         description="vLLM KV-cache block (tokens; None = vLLM's default, 128 on CPU, where it must be a "
                     "multiple of 32). Only full blocks are prefix-cached, so the samples of a group share "
                     "the prefill of the blocks their prompt fills completely (32: 1 of a 46-token prompt).")
+    record_routing: bool = Field(
+        False, description="MoE: record the experts the engine routed every token to, as the column "
+        "routed_experts (routing replay; molt.engines.vllm_routing)")
 
 
 def make_engine(config: EngineConfig, model_dir: str) -> Engine:
@@ -32,9 +35,9 @@ def make_engine(config: EngineConfig, model_dir: str) -> Engine:
 
         return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
-                          engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
+                          record_routing=config.record_routing, engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
     import torch
 
     from molt.engines.hf import TransformersEngine
 
-    return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype))
+    return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing)

@@ -64,6 +64,7 @@ class _Request:
     generator: torch.Generator
     past: Any = None
     aborted: bool = False
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [N, L, k] per forward
     completion: Completion = dataclasses.field(
         default_factory=lambda: Completion([], [], [], "length"))
 
@@ -76,10 +77,13 @@ class TransformersEngine(Engine):
         dtype: dtype to load a folder in; fp32 keeps logprobs exact.
         device: torch device to run on.
         policy_version: version of the initial weights.
+        record_routing: record the experts each MoE router chose for every token it
+            processed (forward hooks on the routers, molt.train.moe.routers) as
+            `Completion.routed_experts`; ValueError for a dense model.
     """
 
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", policy_version: int = 0) -> None:
+                 device: str = "cpu", policy_version: int = 0, record_routing: bool = False) -> None:
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self._model: PreTrainedModel | None = model.to(device).eval()  # type: ignore[arg-type]
@@ -91,6 +95,18 @@ class TransformersEngine(Engine):
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self.last_weight_digests: dict[str, str] = {}
+        self._routed: list[torch.Tensor] = []  # the latest forward's top-k ids [N, k] per MoE layer
+        self.routing_shape: tuple[int, int] | None = None
+        if record_routing:
+            from molt.train.moe import routers
+
+            found = routers(model)
+            if not found:
+                raise ValueError("record_routing: the model has no mixture-of-experts router; hint: "
+                                 "routing replay needs a MoE policy")
+            self.routing_shape = (len(found), int(found[0].top_k))  # type: ignore[arg-type]
+            for router in found:
+                router.register_forward_hook(lambda module, args, output: self._routed.append(output[2]))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> Completion:
@@ -103,9 +119,16 @@ class TransformersEngine(Engine):
         request = _Request(list(prompt_token_ids), params, self._generator(request_id, params))
         self._requests[request_id] = request
         try:
-            return await self._decode_loop(request)
+            completion = await self._decode_loop(request)
         finally:
             del self._requests[request_id]
+        if self.routing_shape is not None:  # tokens never fed to a forward (the last) stay -1
+            routed = torch.full((len(prompt_token_ids) + len(completion.token_ids), *self.routing_shape), -1,
+                                dtype=torch.int16)
+            done = torch.cat(request.routing) if request.routing else routed[:0]
+            routed[:len(done)] = done
+            completion.routed_experts = routed.numpy()
+        return completion
 
     async def _decode_loop(self, request: _Request) -> Completion:
         """Run decode steps until stop, length or abort; return the completion."""
@@ -136,8 +159,11 @@ class TransformersEngine(Engine):
         assert model is not None, "closed engines end requests before stepping"
         new_ids = request.completion.token_ids[-1:] or request.prompt_token_ids
         input_ids = torch.tensor([new_ids], device=self._device)  # [1, N]
+        self._routed = []
         out = model(input_ids=input_ids, past_key_values=request.past, use_cache=True)
         request.past = out.past_key_values
+        if self._routed:
+            request.routing.append(torch.stack(self._routed, dim=1).to(torch.int16).cpu())  # [N, L, k]
         logits = out.logits[0, -1].float()  # [V]
         return sample_token(logits, request.params, request.generator)
 

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 from safetensors import safe_open
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
@@ -74,17 +76,28 @@ class VLLMEngine(Engine):
         enforce_eager: skip graph compilation; on CPU compilation takes minutes.
         verify_weights: digest every tensor as it is loaded (`last_weight_digests`;
             XXH3, about 0.1 s per 540 MB here); off leaves the digests empty.
+        record_routing: record the experts every MoE layer routed each token to, returned
+            as `Completion.routed_experts` for routing replay. On CPU through
+            `molt.engines.vllm_routing` (a dense model fails the first request with a
+            clear error); elsewhere through vLLM's own `enable_return_routed_experts` (its V2
+            model runner; unverified: not yet run on a GPU).
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", policy_version: int = 0,
                  max_model_len: int = 2048, max_num_seqs: int = 256, kv_cache_gib: float = 2.0,
                  seed: int = 0, enforce_eager: bool = True, verify_weights: bool = True,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 record_routing: bool = False, engine_kwargs: dict[str, Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.platforms import current_platform
+
         self._model_dir = Path(model)
+        self._native_routing = record_routing and not current_platform.is_cpu()
+        if self._native_routing:  # vLLM returns routed experts only from its V2 model runner
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            engine_kwargs = {**(engine_kwargs or {}), "enable_return_routed_experts": True}
         args = AsyncEngineArgs(
             model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
@@ -106,6 +119,11 @@ class VLLMEngine(Engine):
         self._num_probes = 0
         self.last_weight_digests: dict[str, str] = {}
         self.last_load_seconds = 0.0
+        self._record_routing = record_routing
+        self.routing_shape: tuple[int, int] | None = None  # (L, k) once recording routing
+        if self._native_routing:
+            text = self._llm.model_config.hf_text_config
+            self.routing_shape = (int(text.num_hidden_layers), int(text.num_experts_per_tok))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> Completion:
@@ -121,6 +139,8 @@ class VLLMEngine(Engine):
                              "hint: give every sample its own id, e.g. 'prompt/3'")
         async with self._load_lock:  # a request submitted during a load waits for it
             version = self._version
+            if self._record_routing and self.routing_shape is None:  # before the first request
+                self.routing_shape = tuple(_same(await llm.collective_rpc("molt_enable_routing")))
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids),
                               cache_salt=f"molt-v{version}")
         final = None
@@ -133,7 +153,23 @@ class VLLMEngine(Engine):
                                "EngineCore lines of the log for its traceback") from error
         finally:
             self._in_flight.discard(request_id)
-        return self._completion(request_id, final, version)
+        completion = self._completion(request_id, final, version)
+        if self.routing_shape is not None:
+            completion.routed_experts = await self._routing(
+                request_id, final, len(prompt_token_ids) + len(completion.token_ids))
+        return completion
+
+    async def _routing(self, request_id: str, final: RequestOutput | None, num_tokens: int) -> np.ndarray:
+        """int16 [num_tokens, L, k] routed experts of a finished request, -1 where none."""
+        assert self.routing_shape is not None and self._llm is not None, "recording routing"
+        if not self._native_routing:
+            data = _same(await self._llm.collective_rpc("molt_take_routing", args=(request_id, num_tokens)))
+            return np.frombuffer(data, dtype=np.int16).reshape(num_tokens, *self.routing_shape)
+        out = np.full((num_tokens, *self.routing_shape), -1, dtype=np.int16)
+        rows = final.outputs[0].routed_experts if final is not None and final.outputs else None
+        if rows is not None:  # vLLM's rows cover every token but the last: [P + C - 1, L, k]
+            out[:len(rows)] = rows[:num_tokens]
+        return out
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """[P-1] raw logprobs of `token_ids` [P] given their prefixes (`Engine.prompt_logprobs`).
@@ -289,6 +325,13 @@ class VLLMEngine(Engine):
         if self._llm is None:
             raise RuntimeError("VLLMEngine is closed")
         return self._llm
+
+
+def _same(results: list[Any]) -> Any:
+    """The value every worker returned; RuntimeError if workers disagree."""
+    if any(result != results[0] for result in results[1:]):
+        raise RuntimeError("vLLM workers returned different routing records for one request")
+    return results[0]
 
 
 def _same_digests(results: list[dict[str, object]]) -> dict[str, str]:

@@ -35,6 +35,7 @@ import time
 from safetensors import safe_open
 from torch import nn
 
+from molt.engines.vllm_routing import RoutingRecorder
 from molt.engines.weights import iter_weights
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,16 @@ class MoltWorkerExtension:
         seconds = time.perf_counter() - start
         logger.info("molt: reloaded weights from %s in %.2f s", path, seconds)
         return {"digests": digests, "seconds": seconds}
+
+    def molt_enable_routing(self) -> tuple[int, int]:
+        """Start recording routed experts (`RoutingRecorder`); returns (L MoE layers, top-k)."""
+        recorder = RoutingRecorder(self.model_runner)  # type: ignore[attr-defined]
+        self.molt_routing = recorder
+        return len(recorder.layer_ids), recorder.top_k
+
+    def molt_take_routing(self, request_id: str, num_tokens: int) -> bytes:
+        """Bytes of the request's int16 [num_tokens, L, k] routed experts (`RoutingRecorder.take`)."""
+        return self.molt_routing.take(request_id, num_tokens)
 
 
 def repack_cpu_experts(model: nn.Module) -> int:

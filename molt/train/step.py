@@ -7,7 +7,8 @@ Every rank sees the whole batch and trains its own rows:
     1) refuse stale tokens:  version - policy_version_t <= max_staleness on every generated token
     2) for each of the rank's micro-batches (the same count M on every rank), without the
        rows whose advantages are all 0 when that adds no gradient (`inert_rows`):
-         logp = packed forward (block-diagonal)          # [S] -> [B, T]
+         logp = packed forward (block-diagonal)          # [S] -> [B, T]; a MoE with routing_replay
+                routes each token to the experts the engine chose (column routed_experts, R3)
          old  = rollout_logprobs ("rollout" anchor) or logp.detach() ("trainer" anchor:
                 the proximal policy; one optimizer step per batch makes the separate
                 no-grad recompute pass unnecessary, its result would be identical)
@@ -28,6 +29,7 @@ Shape legend: B rows of a micro-batch, T their longest row, S packed tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,9 +45,9 @@ from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, K
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
 from molt.schema import make_schema
-from molt.train.moe import load_metrics
+from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
 from molt.train.optim import OptimConfig, set_lr
-from molt.train.packing import pack_sequences
+from molt.train.packing import PackedSequence, pack_sequences
 
 STEP_READS = ("sample_id", "token_ids", "loss_mask", "rollout_logprobs", "policy_version", "advantages")
 
@@ -70,6 +72,12 @@ class ObjectiveConfig(BaseModel):
         "rollout", description="old logprobs of the policy ratio: the engine's, or the trainer's own")
     router_aux_loss_coef: float = Field(
         0.0, ge=0, description="MoE: weight of the Switch load-balancing loss (molt.train.moe); 0 = off")
+    routing_replay: bool = Field(
+        False, description="MoE: route every token the engine routed to the experts it chose (R3; column "
+        "routed_experts, molt.train.moe.RouterProbe); router logits are still recomputed")
+    routing_replay_compare: bool = Field(
+        False, description="MoE: one more no-grad forward per micro-batch with replay the other way, to log "
+        "moe/logprob_diff_replay and moe/logprob_diff_no_replay (|train - rollout| logprob, nats)")
 
 
 @dataclass
@@ -114,11 +122,16 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
     loss_masks = mb.column("loss_mask").to_pylist()
     shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
     packed = pack_sequences(mb.column("token_ids").to_pylist(), loss_masks if shares else None)
-    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks)  # [sum lengths], model's device
-    dev = row_logp.device
-    mask = padded(mb, "loss_mask", torch.bool).to(dev)  # [B, T]
-    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
-    logp = torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)
+    probe = getattr(model, "router_probe", None)
+    if probe is not None and "routed_experts" in mb.schema.names:
+        probe.engine_routing = packed_engine_routing(
+            mb.column("routed_experts").to_pylist(), mb.column("sample_id").to_pylist(), packed.lengths,
+            packed.token_index, packed.input_ids.shape[1], probe)
+        probe.replay = obj.routing_replay
+    mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
+    logp = _forward_logp(model, packed, loss_masks, mask)
+    dev = logp.device
+    mask = mask.to(dev)
     rollout = padded(mb, "rollout_logprobs", torch.float32).to(dev)
     adv = padded(mb, "advantages", torch.float32).to(dev)
     corr = obj.correction.compute(logp, rollout, mask)
@@ -131,23 +144,52 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         per_token = per_token + obj.kl.coef * token_kl
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
     metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl)
-    probe = getattr(model, "router_probe", None)
     if probe is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
         aux = probe.aux_loss()
         metrics["moe/aux_loss"] = float(aux.detach())
         if obj.router_aux_loss_coef:
             share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
+        if obj.routing_replay_compare:  # the other replay setting, without counting its load
+            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask))
+            gaps = {obj.routing_replay: logp.detach(), not obj.routing_replay: other}
+            for replayed, name in ((True, "replay"), (False, "no_replay")):
+                metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
+                                                           / mask.sum().clamp_min(1))
+        probe.engine_routing = None
     return share, metrics
 
 
-def _dummy_loss(model: torch.nn.Module) -> Tensor:
-    """Zero loss through a 2-token forward: keeps FSDP (and expert-parallel) collectives in step
-    across ranks; MoE load counts leave it out."""
+def _forward_logp(model: torch.nn.Module, packed: PackedSequence, loss_masks: list[list[bool]],
+                  mask: Tensor) -> Tensor:
+    """[B, T] logprob of every token of the micro-batch's rows (0 past a row's end) from one packed forward."""
+    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks)  # [sum lengths], model's device
+    dev = row_logp.device
+    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
+    return torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)
+
+
+def _compare_forward(model: torch.nn.Module, probe: RouterProbe, forward: Callable[[], Tensor]) -> Tensor:
+    """``forward()`` without gradient with ``probe.replay`` flipped; the probe's counts are left as before."""
+    counts, routing, replay = probe.counts.clone(), probe.routing.clone(), probe.replay
+    probe.replay = not replay
+    with torch.no_grad():
+        out = forward()
+    probe.counts, probe.routing, probe.replay = counts, routing, replay
+    return out
+
+
+def _dummy_loss(model: torch.nn.Module, obj: ObjectiveConfig) -> Tensor:
+    """Zero loss through a 2-token forward (two with ``routing_replay_compare``, as a real
+    micro-batch): keeps FSDP (and expert-parallel) collectives in step across ranks; MoE
+    load counts leave it out."""
     packed = pack_sequences([[0, 0]])
     probe = getattr(model, "router_probe", None)
     if probe is not None:
         probe.active = False
     try:
+        if probe is not None and obj.routing_replay_compare:
+            with torch.no_grad():
+                model(packed.input_ids, packed.position_ids)
         return model(packed.input_ids, packed.position_ids).sum() * 0.0
     finally:
         if probe is not None:
@@ -198,7 +240,7 @@ def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConf
             set_sync(k == num_micro - 1)
         rows = ((ranks == rank) & (micro == k) & ~inert).nonzero()[0]
         if len(rows) == 0:
-            share = _dummy_loss(model)
+            share = _dummy_loss(model, obj)
         else:
             share, metrics = _micro_loss(model, batch.take(rows), obj, step_tokens, step_seqs)
             parts.append(metrics)
@@ -278,12 +320,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if world_size > 1:
         dist.all_reduce(loss)
     grad_norm = optimizer_step(model, optimizer, optim_cfg.grad_clip)
-    metrics = reduce_metrics(parts, metric_keys(obj) + (["moe/aux_loss"] if probe is not None else []))
+    moe_keys = ["moe/aux_loss"] + (["moe/logprob_diff_no_replay", "moe/logprob_diff_replay"]
+                                   if obj.routing_replay_compare else [])
+    metrics = reduce_metrics(parts, metric_keys(obj) + (moe_keys if probe is not None else []))
     if probe is not None:
         counts = probe.take_counts()
         if world_size > 1:
             dist.all_reduce(counts)
-        metrics.update(load_metrics(counts))
+        metrics.update(load_metrics(counts, probe.num_experts))
     num_tokens = sum(len(t) for t in batch.column("token_ids").to_pylist())
     return StepResult(float(loss), grad_norm, lr, num_tokens, metrics)
 
