@@ -35,7 +35,8 @@ def make_engine(config: EngineConfig, model_dir: str) -> Engine:
 
         return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
-                          record_routing=config.record_routing, engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
+                          record_routing=config.record_routing,
+                          engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
     import torch
 
     from molt.engines.hf import TransformersEngine

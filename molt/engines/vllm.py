@@ -89,9 +89,8 @@ class VLLMEngine(Engine):
                  seed: int = 0, enforce_eager: bool = True, verify_weights: bool = True,
                  record_routing: bool = False, engine_kwargs: dict[str, Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         self._model_dir = Path(model)
         self._native_routing = record_routing and not current_platform.is_cpu()
