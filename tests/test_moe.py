@@ -273,7 +273,7 @@ def stage_step(stage, batch):
     return train_step(stage.model, stage.optimizer, batch, stage.config, stage.config.optim, stage.version)
 
 
-def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file):
+def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file, replay):
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
@@ -284,12 +284,13 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     batch = pa.ipc.open_stream(batch_bytes).read_next_batch()
+    objective = OBJECTIVE.model_copy(update={"routing_replay": replay, "routing_replay_compare": replay})
     for ep in (1, 2):
         torch.manual_seed(0)
         model = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
         experts = model.lm.model.layers[0].mlp.experts
         optimizer = make_optimizer(list(model.parameters()), OPTIM)
-        results = [train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=v) for v in range(2)]
+        results = [train_step(model, optimizer, batch, objective, OPTIM, version=v) for v in range(2)]
         weights = full_state_dict(model)
         parallel = type(experts).__name__.startswith("ExpertParallel")
         assert isinstance(experts.down_proj, DTensor) and parallel == (ep == 2)  # ep 1: FSDP shards, all-gathers
@@ -302,33 +303,52 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file):
             resumed = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
             resumed_optimizer = make_optimizer(list(resumed.parameters()), OPTIM)
             load_train_state(Path(out_dir) / "ckpt", resumed, resumed_optimizer)
-            third = [train_step(m, o, batch, OBJECTIVE, OPTIM, version=2).loss
+            third = [train_step(m, o, batch, objective, OPTIM, version=2).loss
                      for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
             assert third[0] == third[1], third
         if rank == 0:
             meta = {"loss": repr([r.loss for r in results]), "grad_norm": repr([r.grad_norm for r in results]),
-                    "load": repr(results[0].metrics["moe/expert_share/e0"])}
+                    "load": repr(results[0].metrics["moe/expert_share/e0"]),
+                    "routing": repr([results[0].metrics.get(f"moe/{k}") for k in ("routing_disagreement",
+                                                                                  "logprob_diff_replay")])}
             save_file(weights, f"{out_dir}/ep{ep}.safetensors", metadata=meta)
     dist.destroy_process_group()
 
 
-def test_expert_parallel_over_two_ranks_gives_the_same_losses_and_weights_as_without(tiny_moe_distinct, tmp_path):
+@pytest.mark.parametrize("replay", [False, True])
+def test_expert_parallel_over_two_ranks_gives_the_same_losses_and_weights_as_without(tiny_moe_distinct, tmp_path,
+                                                                                     replay):
     from safetensors import safe_open
 
     from tests.test_train import random_groups, step_batch
 
-    batch = step_batch(random_groups(seed=1), world_size=2, max_tokens=30)  # several micro-batches per rank
+    # several micro-batches per rank; with replay, 40 leaves rank 0 an empty one (a dummy forward, which
+    # must also run the comparison forward or the expert-parallel all-to-alls would not match)
+    batch = step_batch(random_groups(seed=1), world_size=2, max_tokens=40 if replay else 30)
+    if replay:  # random engine routing (2 distinct experts of 4 per token and layer), the first 2 tokens unrouted
+        gen = np.random.default_rng(0)
+        records = []
+        for ids in batch.column("token_ids").to_pylist():
+            routed = np.argsort(gen.random((len(ids), 2, 4)), axis=-1)[..., :2].astype(np.int16)
+            routed[:2] = -1
+            records.append(routed.tobytes())
+        batch = batch.append_column("routed_experts", pa.array(records, pa.binary()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     torch.multiprocessing.spawn(_ep_rank_main, args=(str(tiny_moe_distinct), sink.getvalue().to_pybytes(),
-                                                     str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
+                                                     str(tmp_path), str(tmp_path / "init"), replay), nprocs=2,
+                                 join=True)
     with safe_open(str(tmp_path / "ep1.safetensors"), "pt") as one, \
             safe_open(str(tmp_path / "ep2.safetensors"), "pt") as two:
         m1, m2 = one.metadata(), two.metadata()
         for key in ("loss", "grad_norm"):
             assert eval(m2[key]) == pytest.approx(eval(m1[key]), rel=1e-5), key
         assert m2["load"] == m1["load"]
+        disagreement, gap = eval(m1["routing"])
+        assert eval(m2["routing"]) == pytest.approx([disagreement, gap], rel=1e-5) if replay else disagreement is None
+        if replay:  # the random routing differs from the router's own choice about as often as chance
+            assert 0.5 < disagreement < 1.0 and gap > 0
         assert set(one.keys()) == set(two.keys()) and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in one.keys()
         for name in one.keys():
             torch.testing.assert_close(two.get_tensor(name), one.get_tensor(name), atol=2e-6, rtol=0)

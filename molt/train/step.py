@@ -179,18 +179,19 @@ def _compare_forward(model: torch.nn.Module, probe: RouterProbe, forward: Callab
 
 
 def _dummy_loss(model: torch.nn.Module, obj: ObjectiveConfig) -> Tensor:
-    """Zero loss through a 2-token forward (two with ``routing_replay_compare``, as a real
-    micro-batch): keeps FSDP (and expert-parallel) collectives in step across ranks; MoE
-    load counts leave it out."""
+    """Zero loss through a 2-token forward (then a no-grad one with ``routing_replay_compare``,
+    as a real micro-batch): keeps FSDP (and expert-parallel) collectives in step across ranks;
+    MoE load counts leave it out."""
     packed = pack_sequences([[0, 0]])
     probe = getattr(model, "router_probe", None)
     if probe is not None:
         probe.active = False
     try:
-        if probe is not None and obj.routing_replay_compare:
-            with torch.no_grad():
+        loss = model(packed.input_ids, packed.position_ids).sum() * 0.0
+        if probe is not None and obj.routing_replay_compare:  # after, as in `_micro_loss`: expert-parallel
+            with torch.no_grad():  # all-to-alls pair with the other ranks' forwards in order
                 model(packed.input_ids, packed.position_ids)
-        return model(packed.input_ids, packed.position_ids).sum() * 0.0
+        return loss
     finally:
         if probe is not None:
             probe.active = True
