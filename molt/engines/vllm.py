@@ -326,16 +326,14 @@ class VLLMEngine(Engine):
         return self._llm
 
 
-def _same(results: list[Any]) -> Any:
-    """The value every worker returned; RuntimeError if workers disagree."""
+def _same(results: list[Any], what: str = "returned different routing records for one request") -> Any:
+    """The value every worker returned; RuntimeError (vLLM workers ``what``) if they disagree."""
     if any(result != results[0] for result in results[1:]):
-        raise RuntimeError("vLLM workers returned different routing records for one request")
+        raise RuntimeError(f"vLLM workers {what}")
     return results[0]
 
 
 def _same_digests(results: list[dict[str, object]]) -> dict[str, str]:
     """The digests every worker reported; RuntimeError if workers disagree."""
     digests = [dict(result["digests"]) for result in results]  # type: ignore[call-overload]
-    if any(d != digests[0] for d in digests[1:]):
-        raise RuntimeError("vLLM workers consumed different weight bytes during one refit")
-    return digests[0]
+    return cast(dict[str, str], _same(digests, "consumed different weight bytes during one refit"))
