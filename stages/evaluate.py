@@ -82,8 +82,6 @@ class Evaluate(Service):
     outputs: ClassVar[dict[str, Port]] = {"out": Port(schema=EVAL_SCHEMA)}
 
     def setup(self) -> None:
-        from transformers import AutoTokenizer
-
         from molt.models import resolve_model
 
         c = self.config
@@ -93,7 +91,7 @@ class Evaluate(Service):
                              "endless stream; hint: set task.num_problems")
         self.problems = [task.record(i) for i in range(task.num_records)]
         model_dir = resolve_model(c.model)
-        self.chat = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
+        self.chat = ChatTemplate.for_model(model_dir)
         self.engine = make_engine(c.engine, str(model_dir))
         self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
         self.folder = scratch_folder("molt-eval-")

@@ -41,7 +41,8 @@ from molt.tasks import read_prompts
 from molt.transport import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
-          "rollout_logprobs", "policy_version", "group_size", "finish_reason", "metadata")
+          "rollout_logprobs", "policy_version", "group_size", "finish_reason", "metadata",
+          "images", "image_token_positions")  # the images: null for a text-only model
 
 
 class Rollout(Service):
@@ -77,8 +78,6 @@ class Rollout(Service):
         return inputs, {"out": Port(writes=writes)}
 
     def setup(self) -> None:
-        from transformers import AutoTokenizer
-
         from molt.models import resolve_model
 
         c = self.config
@@ -86,7 +85,7 @@ class Rollout(Service):
         self.env_cls: type[Env] = import_class(c.env, f"{where}.env") if c.env else SingleTurn
         self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
         self.model_dir = resolve_model(c.model)
-        self.chat = ChatTemplate(AutoTokenizer.from_pretrained(self.model_dir))
+        self.chat = ChatTemplate.for_model(self.model_dir)
         self.engine = make_engine(c.engine, str(self.model_dir))
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,

@@ -19,7 +19,8 @@ import abc
 import dataclasses
 from typing import Any
 
-Message = dict[str, str]  # {"role": "user" | "assistant" | "system" | "tool", "content": str}
+# {"role": "user" | "assistant" | "system" | "tool", "content": str | list of text/image parts (molt.multimodal)}
+Message = dict[str, Any]
 
 
 @dataclasses.dataclass

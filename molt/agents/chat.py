@@ -8,6 +8,10 @@ found by rendering a probe conversation with and without the new message and
 cutting the common prefix, so any template that renders earlier turns unchanged
 works; one that rewrites them (e.g. drops earlier reasoning) raises, and the
 caller starts a new segment.
+
+Images (a vision-language model, ``vision`` given): image parts of messages render as
+the processor's placeholder and each placeholder token becomes the model's image tokens
+(molt.multimodal); ``images(messages)`` returns their encoded bytes in the same order.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from molt.agents.base import Message
+from molt.multimodal import VisionProcessor, flatten_messages
 
 _PROBE = "\u2063molt-probe\u2063"
 
@@ -22,20 +27,37 @@ _PROBE = "\u2063molt-probe\u2063"
 class ChatTemplate:
     """Renders prompts and turn deltas with a Hugging Face tokenizer's template."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, vision: VisionProcessor | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; hint: use an instruct model "
                              "whose tokenizer_config.json or chat_template.jinja defines one")
-        self.tok = tokenizer
+        self.tok, self.vision = tokenizer, vision
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
 
+    @classmethod
+    def for_model(cls, model_dir: Any) -> ChatTemplate:
+        """The template of a model folder, with its image processor if it has one."""
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_dir), VisionProcessor.of(model_dir))
+
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        return str(self.tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt))
+        flat, _ = flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")
+        return str(self.tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt))
+
+    @property
+    def image_token_id(self) -> int | None:
+        """Id of the image tokens (None for a text-only model)."""
+        return self.vision.image_token_id if self.vision is not None else None
+
+    def images(self, messages: list[Message]) -> list[bytes]:
+        """Encoded bytes of the messages' image parts, in order (molt.multimodal)."""
+        return flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")[1]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of template text (special tokens parsed, no BOS added)."""
-        return list(self.tok.encode(text, add_special_tokens=False))
+        """Token ids of template text (special tokens parsed, no BOS added; image tokens expanded)."""
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        return self.vision.expand(ids) if self.vision is not None else ids
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """[P] token ids of the opening messages plus the generation prompt."""

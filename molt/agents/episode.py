@@ -30,7 +30,9 @@ from molt.engines.base import Completion, Engine, SamplingParams
 
 @dataclasses.dataclass
 class Segment:
-    """Per-token lists of one row, all of length T; ``routed_experts`` int16 [T, L, k] or None.
+    """Per-token lists of one row, all of length T; ``routed_experts`` int16 [T, L, k] or None;
+    ``images`` the encoded images whose tokens the row holds, in order, and
+    ``image_token_id`` the id of their tokens (molt.multimodal; None for a text-only model).
 
     Routing (when the engine records it): each turn's completion covers the whole
     sequence so far (prompt, earlier turns, env tokens, its own tokens); a position keeps
@@ -44,9 +46,12 @@ class Segment:
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     policy_version: list[int] = dataclasses.field(default_factory=list)
     routed_experts: np.ndarray | None = None
+    images: list[bytes] = dataclasses.field(default_factory=list)
+    image_token_id: int | None = None
 
-    def extend_context(self, ids: list[int]) -> None:
-        """Append prompt, tool or env tokens (not trained on)."""
+    def extend_context(self, ids: list[int], images: list[bytes] | None = None) -> None:
+        """Append prompt, tool or env tokens (not trained on) and the images among them."""
+        self.images += images or []
         self.token_ids += ids
         self.loss_mask += [False] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
@@ -74,7 +79,8 @@ class Segment:
         self.routed_experts = merged
 
     def row(self) -> dict[str, Any]:
-        """The per-token columns of this segment, with ``routed_experts`` (int16 bytes of [T, L, k],
+        """The per-token columns of this segment, ``images`` and ``image_token_positions`` (null without
+        images), with ``routed_experts`` (int16 bytes of [T, L, k],
         -1 where no forward routed, env tokens after the last turn included) when recorded."""
         row: dict[str, Any] = {"token_ids": self.token_ids, "loss_mask": self.loss_mask,
                                "rollout_logprobs": self.rollout_logprobs, "policy_version": self.policy_version}
@@ -82,6 +88,9 @@ class Segment:
             routed = np.full((len(self.token_ids), *self.routed_experts.shape[1:]), -1, np.int16)
             routed[:len(self.routed_experts)] = self.routed_experts
             row["routed_experts"] = routed.tobytes()
+        row["images"] = self.images or None  # null without images
+        row["image_token_positions"] = [i for i, t in enumerate(self.token_ids)
+                                        if t == self.image_token_id] if self.images else None
         return row
 
 
@@ -107,8 +116,8 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
         AgentError: ``env.reset`` or ``env.step`` raised (the caller counts the failure).
     """
     messages: list[Message] = list(_call_env(env.reset, task, request_id))
-    seg = Segment()
-    seg.extend_context(chat.prompt_ids(messages))
+    seg = Segment(image_token_id=chat.image_token_id)
+    seg.extend_context(chat.prompt_ids(messages), chat.images(messages))
     if not 0 < len(seg.token_ids) < max_total_tokens:
         raise ValueError(f"request {request_id}: prompt has {len(seg.token_ids)} tokens; the context "
                          f"window (max_total_tokens) is {max_total_tokens}; hint: shorten the prompt")
@@ -120,7 +129,7 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
             finish = "length"
             break
         out = await engine.generate(f"{request_id}/t{turns}", seg.token_ids,
-                                    dataclasses.replace(params, max_new_tokens=budget))
+                                    dataclasses.replace(params, max_new_tokens=budget), seg.images)
         seg.extend_generated(out)
         text = chat.decode(out.token_ids)
         messages.append({"role": "assistant", "content": text})
@@ -138,10 +147,10 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
         new = [result.observation if isinstance(result.observation, dict)
                else {"role": "user", "content": str(result.observation)}]
         try:
-            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop"))
+            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop"), chat.images(new))
         except ValueError:  # the template rewrote earlier turns: continue in a new segment
-            seg = Segment()
-            seg.extend_context(chat.prompt_ids([*messages, *new]))
+            seg = Segment(image_token_id=chat.image_token_id)
+            seg.extend_context(chat.prompt_ids([*messages, *new]), chat.images([*messages, *new]))
             segments.append(seg)
         messages += new
     return Episode(segments, score, finish, turns, text, info)

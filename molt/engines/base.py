@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -144,11 +145,16 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> Completion:
+                       params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
         """Sample one completion of `prompt_token_ids` [P].
 
+        ``images``: encoded images (PNG/JPEG bytes) of a vision-language model's prompt,
+        in order; ``prompt_token_ids`` hold each image's ``tokens_per_image`` image tokens
+        (molt.multimodal), exactly as the model's forward sees them.
+
         Raises:
-            ValueError: for an empty prompt or a request id already in flight.
+            ValueError: for an empty prompt, a request id already in flight, or image
+                tokens that do not match ``images`` (or images for a text-only engine).
             RuntimeError: if the engine is closed or has died.
         """
 

@@ -26,6 +26,9 @@ class EngineConfig(BaseModel):
     record_routing: bool = Field(
         False, description="MoE: record the experts the engine routed every token to, as the column "
         "routed_experts (routing replay; molt.engines.vllm_routing)")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine shards each layer over")
+    enable_expert_parallel: bool = Field(False, description="vLLM: shard a MoE's experts over the engine's GPUs "
+                                         "instead of slicing each expert (vLLM's expert parallelism)")
 
 
 def make_engine(config: EngineConfig, model_dir: str) -> Engine:
@@ -36,7 +39,11 @@ def make_engine(config: EngineConfig, model_dir: str) -> Engine:
         return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
                           record_routing=config.record_routing,
-                          engine_kwargs={} if config.block_size is None else {"block_size": config.block_size})
+                          engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
+                                         **({"tensor_parallel_size": config.tensor_parallel_size}
+                                            if config.tensor_parallel_size > 1 else {}),
+                                         **({"enable_expert_parallel": True} if config.enable_expert_parallel
+                                            else {})})
     import torch
 
     from molt.engines.hf import TransformersEngine

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -109,9 +110,16 @@ class TransformersEngine(Engine):
                 router.register_forward_hook(lambda module, args, output: self._routed.append(output[2]))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> Completion:
-        """Sample one completion token by token; see `Engine.generate`."""
+                       params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
+        """Sample one completion token by token; see `Engine.generate`.
+
+        Raises:
+            ValueError: also for ``images``: this engine runs text-only models.
+        """
         check_prompt(request_id, prompt_token_ids)
+        if images:
+            raise ValueError(f"request {request_id!r}: the transformers engine is text-only; got {len(images)} "
+                             "image(s); hint: use engine type vllm for a vision-language model")
         self._check_open()
         if request_id in self._requests:
             raise ValueError(f"request id already in flight; got {request_id!r}; "

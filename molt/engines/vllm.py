@@ -19,7 +19,8 @@ Refit (`load_weights`), at a safe point between decode steps:
      repacks layers whose weights are tied to a reloaded one (the lm_head);
   3) label later engine outputs with the new version (vLLM tracks the label
      per output token and returns spans, which become `policy_versions`);
-  4) clear the prefix cache if nothing is in flight, then resume.
+  4) clear the prefix cache if nothing is in flight (and a VLM's encoder cache of image
+     features: they came from the old vision tower), then resume.
 In-flight requests continue on the new weights with the KV cache they had.
 Every request's prompt carries `cache_salt = "molt-v<version at submission>"`,
 so a request submitted after a load never reuses prefix-cache blocks computed
@@ -39,6 +40,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -47,6 +49,7 @@ from safetensors import safe_open
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
 from molt.engines.weights import check_weights_file, file_digests
+from molt.multimodal import VisionProcessor, decode_images
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -81,18 +84,24 @@ class VLLMEngine(Engine):
             `molt.engines.vllm_routing` (a dense model fails the first request with a
             clear error); elsewhere through vLLM's own `enable_return_routed_experts` (its V2
             model runner; unverified: not yet run on a GPU).
+        max_images: most images in one prompt of a vision-language model (vLLM's
+            ``limit_mm_per_prompt``; ignored for a text-only model).
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", policy_version: int = 0,
                  max_model_len: int = 2048, max_num_seqs: int = 256, kv_cache_gib: float = 2.0,
                  seed: int = 0, enforce_eager: bool = True, verify_weights: bool = True,
-                 record_routing: bool = False, engine_kwargs: dict[str, Any] | None = None) -> None:
+                 record_routing: bool = False, max_images: int = 4,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._model_dir = Path(model)
+        self.vision = VisionProcessor.of(model)  # None for a text-only model
+        if self.vision is not None:
+            engine_kwargs = {"limit_mm_per_prompt": {"image": max_images}, **(engine_kwargs or {})}
         self._native_routing = record_routing and not current_platform.is_cpu()
         if self._native_routing:  # vLLM returns routed experts only from its V2 model runner
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -125,13 +134,25 @@ class VLLMEngine(Engine):
             self.routing_shape = (int(text.num_hidden_layers), int(text.num_experts_per_tok))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> Completion:
-        """Sample one completion; see `Engine.generate` and the module docstring."""
+                       params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
+        """Sample one completion; see `Engine.generate` and the module docstring.
+
+        Images: vLLM expands one placeholder per image itself, so each image's run of
+        tokens is collapsed to one for the request, and the prompt vLLM reports back
+        must equal ``prompt_token_ids`` (else RuntimeError: vLLM's expansion differs).
+        """
         from vllm.inputs import TokensPrompt
 
         from vllm.v1.engine.exceptions import EngineDeadError
 
         check_prompt(request_id, prompt_token_ids)
+        engine_ids = list(prompt_token_ids)
+        if images:
+            if self.vision is None:
+                raise ValueError(f"request {request_id!r}: {len(images)} image(s) for the text-only model "
+                                 f"{self._model_dir}; hint: use a vision-language model")
+            self.vision.check(prompt_token_ids, len(images), request_id)
+            engine_ids = self.vision.collapse(prompt_token_ids)
         llm = self._check_open()
         if request_id in self._in_flight:
             raise ValueError(f"request id already in flight; got {request_id!r}; "
@@ -140,8 +161,9 @@ class VLLMEngine(Engine):
             version = self._version
             if self._record_routing and self.routing_shape is None:  # before the first request
                 self.routing_shape = tuple(_same(await llm.collective_rpc("molt_enable_routing")))
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids),
-                              cache_salt=f"molt-v{version}")
+        prompt = TokensPrompt(prompt_token_ids=engine_ids, cache_salt=f"molt-v{version}")
+        if images:
+            prompt["multi_modal_data"] = {"image": decode_images(images)}
         final = None
         self._in_flight.add(request_id)
         try:
@@ -152,6 +174,10 @@ class VLLMEngine(Engine):
                                "EngineCore lines of the log for its traceback") from error
         finally:
             self._in_flight.discard(request_id)
+        if images and final is not None and list(final.prompt_token_ids or ()) != list(prompt_token_ids):
+            raise RuntimeError(f"request {request_id!r}: vLLM expanded the image placeholders into "
+                               f"{len(final.prompt_token_ids or ())} prompt tokens, molt.multimodal into "
+                               f"{len(prompt_token_ids)}; the processor configs disagree")
         completion = self._completion(request_id, final, version)
         if self.routing_shape is not None:
             completion.routed_experts = await self._routing(
@@ -285,6 +311,8 @@ class VLLMEngine(Engine):
                     "molt_load_weights", args=(path, self._verify_weights))
                 await llm.update_weight_version(str(version))
                 self._version = version
+                if self.vision is not None:  # image features of the old weights: the workers dropped theirs
+                    await llm.reset_encoder_cache()  # in the reload, the scheduler must forget them too
                 if not self._in_flight:  # vLLM cannot clear blocks held by requests
                     await llm.reset_prefix_cache()
             finally:
