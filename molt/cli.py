@@ -8,6 +8,8 @@
 ``molt plot RUN_DIR``
 ``molt models prepare NAME``
 ``molt models upcycle SOURCE OUT [--experts E] [--top-k K] [--seed S]``
+``molt models vlm SOURCE OUT [--image-size PX] [--patch-size PX] [--vision-hidden H] [--vision-layers N]
+[--vision-tower CLIP]``
 """
 
 from __future__ import annotations
@@ -226,6 +228,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
         print(upcycle(resolve_model(args.source), Path(args.out), args.experts, args.top_k, args.seed))
         return 0
+    if args.models_command == "vlm":
+        from molt.models.vlm import build_vlm
+
+        tower = resolve_model(args.vision_tower) if args.vision_tower else None
+        print(build_vlm(resolve_model(args.source), Path(args.out), args.image_size, args.patch_size,
+                        args.vision_hidden, args.vision_layers, args.seed, tower))
+        return 0
     print(prepare(args.name))
     return 0
 
@@ -269,6 +278,17 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--experts", type=int, default=4, help="experts per layer (E)")
     up.add_argument("--top-k", type=int, default=2, help="experts per token (k)")
     up.add_argument("--seed", type=int, default=0, help="seed of the router initialisation")
+    vlm = msub.add_parser("vlm", help="make a text model (dense or MoE) a LLaVA-style vision-language model with "
+                          "a fresh CLIP vision tower and projector (molt.models.vlm)")
+    vlm.add_argument("source", help="a Llama/Mistral/Mixtral model: folder, hub id or built-in name")
+    vlm.add_argument("out", help="the new folder to write")
+    vlm.add_argument("--image-size", type=int, default=64, help="side of the processed image (px)")
+    vlm.add_argument("--patch-size", type=int, default=16, help="side of a vision patch (px)")
+    vlm.add_argument("--vision-hidden", type=int, default=256, help="width of the vision tower")
+    vlm.add_argument("--vision-layers", type=int, default=4, help="layers of the vision tower")
+    vlm.add_argument("--seed", type=int, default=0, help="seed of the vision tower and projector")
+    vlm.add_argument("--vision-tower", help="a pretrained CLIP model (folder or hub id, e.g. "
+                     "openai/clip-vit-large-patch14-336) instead of a fresh tower; the sizes are then its own")
     return p
 
 

@@ -5,6 +5,7 @@
 ``prepare(name)`` does the same eagerly for ``molt models prepare NAME``.
 """
 
-from molt.models.resolve import DEFAULT_MODEL, default_cache_dir, folder_size_bytes, prepare, resolve_model
+from molt.models.resolve import (DEFAULT_MODEL, default_cache_dir, export_path, folder_size_bytes, prepare,
+                                 resolve_model)
 
-__all__ = ["DEFAULT_MODEL", "default_cache_dir", "folder_size_bytes", "prepare", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "default_cache_dir", "export_path", "folder_size_bytes", "prepare", "resolve_model"]

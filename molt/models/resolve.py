@@ -7,7 +7,11 @@ Three kinds of name are accepted, tried in this order:
 2. the built-in default ``smollm2-135m-instruct``: converted once from the GGUF on
    PyPI into the cache (``~/.cache/molt/models/smollm2-135m-instruct``), then reused;
    ``smollm2-135m-instruct-moe`` is that model upcycled once into a Mixtral-style MoE
-   (4 experts, top-2; molt.models.upcycle) in the same cache;
+   (4 experts, top-2; molt.models.upcycle) in the same cache; ``smollm2-135m-instruct-vlm``
+   and ``smollm2-135m-instruct-moe-vlm`` are those two made LLaVA-style vision-language
+   models with a fresh vision tower (molt.models.vlm);
+   any other name of a folder in that cache (what a train stage's ``export_model``
+   wrote, e.g. ``shapes-vlm-moe-sft``) is that folder;
 3. a hub id ``org/name``: fetched with ``huggingface_hub.snapshot_download``
    (``HuggingFaceTB/SmolLM2-360M-Instruct`` -> a snapshot folder in the hub cache).
 
@@ -27,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MOE = "smollm2-135m-instruct-moe"  # DEFAULT_MODEL upcycled (molt.models.upcycle)
+# vision-language: the text model's name + "-vlm" (molt.models.vlm)
+VLM_SOURCES = {f"{DEFAULT_MODEL}-vlm": DEFAULT_MODEL, f"{DEFAULT_MOE}-vlm": DEFAULT_MOE}
+BUILT_IN = (DEFAULT_MODEL, DEFAULT_MOE, *VLM_SOURCES)
 
 # org/name as the hub spells repository ids; a leading "." or "/" makes it a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -51,13 +58,17 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return _check_local_folder(path)
-    if name_or_path in (DEFAULT_MODEL, DEFAULT_MOE):
-        return _built_in(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if name_or_path in BUILT_IN:
+        return _built_in(name_or_path, cache)
+    if "/" not in name_or_path and (cache / name_or_path / "config.json").is_file():
+        return (cache / name_or_path).resolve()  # exported by a train stage (export_model)
     if _HUB_ID.match(name_or_path):
         return _download_from_hub(name_or_path, Path(cache_dir) / "hub" if cache_dir else None)
     raise ValueError(
-        f"model: not a local folder, a built-in name or a hub id (org/name); got {name_or_path!r}; "
-        f"hint: give an existing Hugging Face folder, {DEFAULT_MODEL!r}, {DEFAULT_MOE!r} or a hub id such as "
+        f"model: not a local folder, a built-in name, a model in the cache {str(cache)!r} or a hub id (org/name); "
+        f"got {name_or_path!r}; hint: give an existing Hugging Face folder, one of {list(BUILT_IN)}, the "
+        "export_model name of a finished run (e.g. `molt run pipelines/sft.yaml` first) or a hub id such as "
         "'HuggingFaceTB/SmolLM2-135M-Instruct'"
     )
 
@@ -70,6 +81,18 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
     folder = resolve_model(name, cache_dir)
     logger.info("model %s ready: %s (%.0f MB)", name, folder, folder_size_bytes(folder) / 1e6)
     return folder
+
+
+def export_path(name_or_path: str) -> Path:
+    """Where a train stage's ``export_model`` writes: a name -> that folder in the model cache
+    (`default_cache_dir`, then usable as a model name), a path (holding '/') -> itself.
+
+    Raises:
+        ValueError: a built-in name (its folder is Molt's own).
+    """
+    if name_or_path in BUILT_IN:
+        raise ValueError(f"export_model: {name_or_path!r} is a built-in model's name; hint: choose another name")
+    return Path(name_or_path).expanduser() if "/" in name_or_path else default_cache_dir() / name_or_path
 
 
 def folder_size_bytes(folder: Path) -> int:
@@ -90,6 +113,13 @@ def _built_in(name: str, cache: Path) -> Path:
     with FileLock(cache / f".lock-{name}"):
         if name == DEFAULT_MODEL:
             return ensure_smollm2(cache)
+        if name in VLM_SOURCES:
+            if (cache / name).is_dir():
+                return cache / name
+            from molt.models.vlm import build_vlm
+
+            text = ensure_smollm2(cache) if VLM_SOURCES[name] == DEFAULT_MODEL else _built_in(DEFAULT_MOE, cache)
+            return build_vlm(text, cache / name)
         folder = cache / DEFAULT_MOE  # the default upcycled: 4 experts, top-2, seed 0
         if folder.is_dir():
             return folder
