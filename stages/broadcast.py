@@ -115,7 +115,9 @@ class Broadcast(Service):
         """The trainer's refit probe of the new weights: a forward, so a collective (all ranks)."""
         if self.config.probe_tokens < 2:
             return None
-        ids = probe_token_ids(self.handle.model.lm.config.vocab_size, self.config.probe_tokens)
+        model = self.handle.model  # a VLM: text tokens below its image token (molt.models.vlm appends it last)
+        vocab = model.lm.config.get_text_config().vocab_size
+        ids = probe_token_ids(min(vocab, model.vision.image_token_id) if model.vision else vocab, self.config.probe_tokens)
         return policy_probe(self.handle.model, ids, self.config.probe_atol)
 
     def _prune(self, newest: Path) -> None:

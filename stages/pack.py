@@ -65,7 +65,7 @@ class Pack(Service):
         flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")
 
     config: Config
-    inputs = {"in": Port(reads=("prompt_id", "sample_id", "token_ids", "loss_mask", "advantages"))}
+    inputs = {"in": Port(reads=("prompt_id", "sample_id", "token_ids", "loss_mask"))}
     outputs = {"out": Port(passes="in", writes=STEP_FIELDS)}
 
     def setup(self) -> None:

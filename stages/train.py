@@ -42,14 +42,16 @@ import torch
 from pydantic import Field
 
 from molt.checkpoint import read_replica_state
+from molt.models import export_path
 from molt.schema import batch_from_rows
 from molt.stage import Port, Service, StageConfig
-from molt.train.checkpoint import load_train_state, save_train_state
+from molt.train.checkpoint import export_model_folder, load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import check_moe_keys, freeze_routers
 from molt.train.optim import OptimConfig, make_optimizer
-from molt.train.step import STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_staleness, train_step
+from molt.train.step import (SFT_UNREAD, STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_objective,
+                             check_staleness, train_step)
 from molt.transport import Barrier
 
 PACK_READS = (pa.field("step", pa.int32()), pa.field("dp_rank", pa.int32()), pa.field("micro_batch", pa.int32()),
@@ -68,10 +70,11 @@ class Train(Service):
             "CUDA and on CPUs with native bf16 (molt.train.model.resolve_compute_dtype), else fp32")
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
-        freeze_router: bool = Field(False, description="MoE: routers get no gradient, stay bit-identical "
-                                    "(molt.train.moe)")
+        freeze_router: bool = Field(False, description="MoE: routers get no gradient (molt.train.moe)")
         expert_parallel_size: int = Field(1, ge=1, description="MoE: 1, or the world size to shard the experts "
                                           "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
+        export_model: str | None = Field(None, description="at the end: write the policy as a HF folder, this name "
+                                          "in the model cache (then a model name) or a path with '/'")
         seed: int = 0
         optim: OptimConfig = Field(default_factory=OptimConfig)
 
@@ -80,18 +83,16 @@ class Train(Service):
     @classmethod
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
         assert isinstance(config, cls.Config)
-        reads = STEP_READS + PACK_READS + (("ref_logprobs",) if config.kl is not None else ()) + (
-            ("routed_experts",) if config.routing_replay or config.routing_replay_compare else ())
+        reads = tuple(c for c in STEP_READS if config.policy_loss.type != "sft" or c not in SFT_UNREAD) + PACK_READS \
+            + (("ref_logprobs",) * (config.kl is not None)) + (("routed_experts",) * bool(
+                config.routing_replay or config.routing_replay_compare))
         return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA)}
 
     def setup(self) -> None:
         from molt.models import resolve_model
 
         c = self.config
-        if c.kl is not None and c.kl.apply_to != "loss":
-            raise ValueError(f"stages.{self.ctx.stage_id}.config.kl.apply_to: the train stage applies a KL "
-                             f"term to the loss only; got {c.kl.apply_to!r}; hint: fold KL into the reward "
-                             "before the advantage stage")
+        check_objective(c, f"stages.{self.ctx.stage_id}.config")
         torch.manual_seed(c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
@@ -119,6 +120,9 @@ class Train(Service):
             record = self.step(item)
             await self.send("out", record)
             await self.handle.wait_acked(self.version - 1)
+        if self.config.export_model:  # molt.models.export_path: a cache name or a path
+            out = export_model_folder(self.model, self.model_dir, export_path(self.config.export_model))
+            self.log.info("exported the policy at version %d to %s", self.version, out)
 
     def step(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Train one step batch; returns the step record."""
@@ -191,8 +195,6 @@ def _peak_memory_gb(device: str) -> float:
 
 
 def _mean_reward(batch: pa.RecordBatch) -> float:
-    """Mean ``reward`` of the rows (0.0 without the column or rows)."""
-    if "reward" not in batch.schema.names or batch.num_rows == 0:
-        return 0.0
-    values = [v for v in batch.column("reward").to_pylist() if v is not None]
+    """Mean ``reward`` of the rows (0.0 without the column, rows or values)."""
+    values = [v for v in batch.column("reward").to_pylist() if v is not None] if "reward" in batch.schema.names else []
     return sum(values) / max(len(values), 1)

@@ -92,8 +92,21 @@ class CISPOLossConfig(_Config):
         )
 
 
+class SFTLossConfig(_Config):
+    """Supervised fine-tuning (cross-entropy on demonstrations): records need no
+    rollout_logprobs or advantages; with ``correction: {type: none}`` only."""
+
+    type: Literal["sft"] = "sft"
+
+    def compute(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
+    ) -> losses.PolicyLoss:
+        """SFT: -log pi(y_t) on loss_mask tokens; old_logprobs and advantages unused (losses.sft_loss)."""
+        return losses.sft_loss(logprobs, loss_mask)
+
+
 PolicyLossConfig = Annotated[
-    Union[PPOLossConfig, GSPOLossConfig, CISPOLossConfig], Field(discriminator="type")
+    Union[PPOLossConfig, GSPOLossConfig, CISPOLossConfig, SFTLossConfig], Field(discriminator="type")
 ]
 
 

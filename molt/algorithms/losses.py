@@ -184,3 +184,16 @@ def cispo_loss(
     high = loss_mask & (ratio > weight)
     no_dual = torch.zeros_like(loss_mask)
     return _finish(-weight * adv * current, ratio, loss_mask, low, high, no_dual)
+
+
+def sft_loss(logprobs: Tensor, loss_mask: Tensor) -> PolicyLoss:
+    """Supervised fine-tuning: the negative log-likelihood -log pi(y_t) of each demonstrated token.
+
+    Cross-entropy of the policy on the ``loss_mask`` tokens of a prompt/response record; no
+    ratio, advantage or clip (ratio 1, no flags). Aggregated like the policy losses, so
+    ``token_mean`` gives the usual mean token cross-entropy (nats).
+    Shapes: logprobs, loss_mask [B, T] -> per_token_loss [B, T], 0 off-mask.
+    Example: logprobs [[-0.5, -2.0]], mask [[1, 0]] -> per_token_loss [[0.5, 0.0]].
+    """
+    zeros = torch.zeros_like(loss_mask)
+    return PolicyLoss(torch.where(loss_mask, -logprobs, 0.0), torch.ones_like(logprobs).detach(), zeros, zeros, zeros)

@@ -60,6 +60,36 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     dist.barrier()
 
 
+def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
+    """Write the policy as a new Hugging Face folder ``out`` that engines and trainers load (a collective).
+
+    The weights under the checkpoint names and layout engines load (`full_state_dict`:
+    transformers' ``revert_weight_conversion``, as ``save_pretrained``), with every other
+    file of ``model_dir`` (config, tokenizer, chat template, image processor). Written into a
+    temporary sibling, then renamed; an existing ``out`` is replaced.
+
+    Returns:
+        ``out``.
+    """
+    from molt.train.model import full_state_dict
+
+    state = full_state_dict(model)  # every rank joins; rank 0 gets the tensors
+    if dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy(f, tmp / f.name)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    dist.barrier()
+    return out
+
+
 def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> None:
     """Restore what `save_train_state` wrote (a collective: call on every rank).
 
@@ -102,6 +132,6 @@ def _model_state(path: Path, model: PolicyModel) -> dict[str, torch.Tensor]:
             raise ValueError(f"checkpoint {path}: tensor names differ from the model's, e.g. {diff[:3]}; "
                              "hint: resume with the model the run was started with")
         state = {hf_to_fqn[n]: handle.get_tensor(n) for n in names}
-    if "lm.lm_head.weight" in model.state_dict() and "lm.lm_head.weight" not in state:
-        state["lm.lm_head.weight"] = state["lm.model.embed_tokens.weight"]  # tied embeddings
+    if "lm.lm_head.weight" in model.state_dict() and "lm.lm_head.weight" not in state:  # tied embeddings
+        state["lm.lm_head.weight"] = next(v for k, v in state.items() if k.endswith(".embed_tokens.weight"))
     return state

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from molt.multimodal import VisionProcessor
 from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
@@ -97,21 +98,24 @@ class PolicyModel(nn.Module):
     """A causal LM whose forward maps a packed sequence to next-token logprobs [S].
 
     ``router_probe``: a MoE model's molt.train.moe.RouterProbe (expert load, router
-    logits of the latest forward); None for a dense model.
+    logits of the latest forward); None for a dense model. ``vision``: a vision-language
+    model's processor (molt.multimodal), None for a text-only model.
     """
 
-    def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024) -> None:
+    def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024,
+                 vision: VisionProcessor | None = None) -> None:
         super().__init__()
-        self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+        self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
         self.router_probe = RouterProbe(lm) if routers(lm) else None
 
     @property
     def shares_prompts(self) -> bool:
         """Whether attention runs through molt_packed_sdpa, which honours shared-prompt segments."""
-        return bool(getattr(self.lm.config, "_attn_implementation", None) == PACKED_SDPA)
+        text_config = self.lm.config.get_text_config()  # type: ignore[operator, union-attr]
+        return bool(getattr(text_config, "_attn_implementation", None) == PACKED_SDPA)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, packed: PackedSequence | None = None,
-                loss_masks: Sequence[Sequence[bool]] | None = None) -> Tensor:
+                loss_masks: Sequence[Sequence[bool]] | None = None, pixel_values: Tensor | None = None) -> Tensor:
         """Next-token logprobs, fp32, on the model's device.
 
         Without ``packed``: logp [S] of token t given the tokens before it in its own row
@@ -121,6 +125,8 @@ class PolicyModel(nn.Module):
         ``position_ids`` are the first two arguments): logp [sum of row lengths], rows in
         order, following ``packed.segments`` (shared prompts forwarded once); only the
         ``loss_masks`` tokens are projected onto the vocabulary (others are 0).
+        ``pixel_values`` [N, 3, H, W]: the images whose tokens ``input_ids`` hold, in order
+        (a vision-language model; molt.multimodal.VisionProcessor.pixel_values).
         """
         device = next(self.parameters()).device
         if packed is None:
@@ -130,6 +136,8 @@ class PolicyModel(nn.Module):
         else:
             kwargs = {"molt_row_lengths": [length for length, _, _ in packed.segments]}
         input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        if pixel_values is not None:
+            kwargs["pixel_values"] = pixel_values.to(device)
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids,  # type: ignore[operator]
                                use_cache=False, **kwargs).last_hidden_state[0]  # [S, H]
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]
@@ -147,15 +155,27 @@ def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1
 
     A model on transformers' ``sdpa`` attention whose layers are all plain causal
     attention switches to molt.train.attention's per-row ``molt_packed_sdpa`` (no
-    ``[S, S]`` mask for a packed sequence).
+    ``[S, S]`` mask for a packed sequence). A vision-language folder (with
+    ``processor_config.json``) loads through ``AutoModelForImageTextToText``; only its
+    language model switches (the vision tower's attention is bidirectional).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    vision = VisionProcessor.of(model_dir)
+    auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+    lm = auto.from_pretrained(str(model_dir), dtype=torch.float32)
     lm.config.use_cache = False
-    if supports_packed_sdpa(lm.config) and lm.config._attn_implementation == "sdpa":
-        lm.set_attn_implementation(register_packed_sdpa())
-    return PolicyModel(lm, temperature, chunk_tokens).train()
+    text = lm.config.get_text_config()
+    if supports_packed_sdpa(text) and text._attn_implementation == "sdpa":
+        lm.set_attn_implementation({"text_config": register_packed_sdpa()} if vision else register_packed_sdpa())
+    return PolicyModel(lm, temperature, chunk_tokens, vision).train()
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (``model.layers``) or of a VLM's language model
+    (``model.language_model.layers``)."""
+    base = cast(nn.Module, lm.model)
+    return cast(nn.ModuleList, getattr(base, "language_model", base).layers)
 
 
 def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu",
@@ -206,7 +226,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for router in routers(model.lm):  # MoE: routing stays fp32 (molt.train.moe)
         fully_shard(router, mesh=mesh, mp_policy=fp32_router_policy())
-    for layer in model.lm.model.layers:  # type: ignore[union-attr]
+    for layer in decoder_layers(model.lm):
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=experts)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
     return model

@@ -94,23 +94,25 @@ def plan_step(lengths: Sequence[int], world_size: int, max_tokens: int) -> StepP
     return StepPlan(ranks, micro, num)
 
 
-def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None) -> list[tuple[list[int], int]]:
+def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None,
+                 prompt_keys: Sequence[object] | None = None) -> list[tuple[list[int], int]]:
     """Rows that share their prompt, as (row indices, shared prefix length P), in first-appearance order.
 
     A row's prompt is its tokens before its first ``loss_mask`` token. Rows with the same
-    prompt tokens, each longer than it, form one unit that is forwarded as the prompt once
+    prompt tokens (and the same ``prompt_keys`` entry, e.g. the row's images, when given),
+    each longer than it, form one unit that is forwarded as the prompt once
     plus every row's rest (`pack_sequences`); any other row is a unit of its own with P 0.
     Example: rows [1, 2, 7], [1, 2, 8, 9], [3, 4] with masks [F, F, T], [F, F, T, T],
     [F, T] -> [([0, 1], 2), ([2], 0)].
     """
     if loss_masks is None:
         return [([i], 0) for i in range(len(rows))]
-    units: dict[tuple[int, ...], list[int]] = {}
-    order: list[tuple[int, ...] | int] = []
+    units: dict[tuple[object, ...], list[int]] = {}
+    order: list[tuple[object, ...] | int] = []
     for i, (row, mask) in enumerate(zip(rows, loss_masks)):
         prompt = next((j for j, m in enumerate(mask) if m), len(row))
         if 1 <= prompt < len(row):
-            key = tuple(row[:prompt])
+            key = (*row[:prompt], prompt_keys[i]) if prompt_keys is not None else tuple(row[:prompt])
             if key not in units:
                 units[key] = []
                 order.append(key)
@@ -122,7 +124,8 @@ def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bo
         if isinstance(entry, int):
             out.append(([entry], 0))
         else:
-            out.append((units[entry], len(entry) if len(units[entry]) > 1 else 0))
+            prefix = len(entry) - (prompt_keys is not None)
+            out.append((units[entry], prefix if len(units[entry]) > 1 else 0))
     return out
 
 
@@ -185,15 +188,16 @@ class PackedSequence:
             torch.tensor(slot, dtype=torch.long)
 
 
-def pack_sequences(rows: Sequence[Sequence[int]],
-                   loss_masks: Sequence[Sequence[bool]] | None = None) -> PackedSequence:
+def pack_sequences(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None = None,
+                   prompt_keys: Sequence[object] | None = None) -> PackedSequence:
     """Concatenate token rows; positions restart at 0 per row (module docstring example).
 
     With ``loss_masks``, rows that share their prompt (`prefix_units`) are packed as the
     prompt once followed by each row's rest: rows [1, 2, 7] and [1, 2, 8, 9] with prompt
     [1, 2] -> input_ids [[1, 2, 7, 8, 9]], position_ids [[0, 1, 2, 2, 3]]; the rows'
     logprobs are the same as packed apart (attention never crosses from one row's rest
-    to another's), for P + 3 instead of 2P + 3 forwarded tokens.
+    to another's), for P + 3 instead of 2P + 3 forwarded tokens. ``prompt_keys``: rows share
+    a prompt only if their keys are equal too (`prefix_units`; a VLM's rows: their images).
 
     Raises:
         ValueError: no rows, or an empty row (column ``token_ids``).
@@ -205,7 +209,7 @@ def pack_sequences(rows: Sequence[Sequence[int]],
     positions: list[int] = []
     index: list[list[int]] = [[] for _ in rows]
     segments: list[tuple[int, int, list[int]]] = []
-    for members, prefix in prefix_units(rows, loss_masks):
+    for members, prefix in prefix_units(rows, loss_masks, prompt_keys):
         start = len(ids)
         ids += rows[members[0]][:prefix]
         positions += range(prefix)

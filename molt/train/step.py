@@ -44,12 +44,14 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
+from molt.multimodal import packed_pixel_values
 from molt.schema import make_schema
 from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
 from molt.train.optim import OptimConfig, set_lr
 from molt.train.packing import PackedSequence, pack_sequences
 
 STEP_READS = ("sample_id", "token_ids", "loss_mask", "rollout_logprobs", "policy_version", "advantages")
+SFT_UNREAD = ("rollout_logprobs", "advantages")  # SFT records (demonstrations) have neither
 
 
 class ObjectiveConfig(BaseModel):
@@ -91,6 +93,21 @@ class StepResult:
     metrics: dict[str, float]
 
 
+def check_objective(obj: ObjectiveConfig, where: str) -> None:
+    """Refuse objective settings the train stage cannot honour.
+
+    Raises:
+        ValueError: naming the key under ``where`` (e.g. ``stages.train.config.kl.apply_to``): a KL
+            term outside the loss, or SFT with an off-policy correction (SFT has no rollout logprobs).
+    """
+    if obj.policy_loss.type == "sft" and obj.correction.type != "none":
+        raise ValueError(f"{where}.correction: SFT has no rollout logprobs to correct; got "
+                         f"{obj.correction.type!r}; hint: leave correction unset")
+    if obj.kl is not None and obj.kl.apply_to != "loss":
+        raise ValueError(f"{where}.kl.apply_to: the train stage applies a KL term to the loss only; got "
+                         f"{obj.kl.apply_to!r}; hint: fold KL into the reward before the advantage stage")
+
+
 def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | None) -> int:
     """Refuse generated tokens older than ``max_staleness`` steps; return the step's max lag.
 
@@ -119,9 +136,12 @@ def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | No
 def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig,
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss (0-dim) and its token metrics."""
-    loss_masks = mb.column("loss_mask").to_pylist()
+    loss_masks, rows = mb.column("loss_mask").to_pylist(), mb.column("token_ids").to_pylist()
+    images = mb.column("images").to_pylist() if "images" in mb.schema.names else [None] * mb.num_rows
     shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
-    packed = pack_sequences(mb.column("token_ids").to_pylist(), loss_masks if shares else None)
+    packed = pack_sequences(rows, loss_masks if shares else None, [tuple(i or ()) for i in images])
+    pixels = packed_pixel_values(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
+                                 packed.token_index)  # a VLM: the images in packed order
     probe = getattr(model, "router_probe", None)
     if probe is not None and "routed_experts" in mb.schema.names:
         probe.engine_routing = packed_engine_routing(
@@ -129,11 +149,11 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
             packed.token_index, packed.input_ids.shape[1], probe)
         probe.replay = obj.routing_replay
     mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
-    logp = _forward_logp(model, packed, loss_masks, mask)
+    logp = _forward_logp(model, packed, loss_masks, mask, pixels)
     dev = logp.device
     mask = mask.to(dev)
-    rollout = padded(mb, "rollout_logprobs", torch.float32).to(dev)
-    adv = padded(mb, "advantages", torch.float32).to(dev)
+    rollout, adv = (padded(mb, name, torch.float32).to(dev) if name in mb.schema.names else torch.zeros_like(logp)
+                    for name in ("rollout_logprobs", "advantages"))  # SFT records: neither
     corr = obj.correction.compute(logp, rollout, mask)
     old = rollout if obj.anchor == "rollout" else logp.detach()
     pl = obj.policy_loss.compute(logp, old, adv, corr.keep)
@@ -150,7 +170,7 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         if obj.router_aux_loss_coef:
             share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
         if obj.routing_replay_compare:  # the other replay setting, without counting its load
-            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask))
+            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask, pixels))
             gaps = {obj.routing_replay: logp.detach(), not obj.routing_replay: other}
             for replayed, name in ((True, "replay"), (False, "no_replay")):
                 metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
@@ -160,9 +180,9 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
 
 
 def _forward_logp(model: torch.nn.Module, packed: PackedSequence, loss_masks: list[list[bool]],
-                  mask: Tensor) -> Tensor:
+                  mask: Tensor, pixel_values: Tensor | None = None) -> Tensor:
     """[B, T] logprob of every token of the micro-batch's rows (0 past a row's end) from one packed forward."""
-    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks)  # [sum lengths], model's device
+    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks, pixel_values)  # [sum lengths]
     dev = row_logp.device
     valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
     return torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)

@@ -1,0 +1,90 @@
+"""SFTRecords: task prompts -> supervised prompt/response rows for ``policy_loss: {type: sft}``.
+
+Each prompt row (``prompt_id``, ``metadata`` from stages.dataset_source) becomes one
+trajectory row: the task's ``messages`` rendered by the model's own chat template
+(images as the model's image tokens, molt.multimodal), followed by the demonstration:
+the tokens of ``response`` (default: the task's ``answer``) and the end-of-turn token
+(the tokenizer's EOS, e.g. ``<|im_end|>``). ``loss_mask`` is true exactly on the
+demonstration; ``policy_version`` is -1 everywhere (no policy generated these tokens);
+``rollout_logprobs`` and ``advantages`` are absent (the SFT loss needs neither).
+Every prompt is a group of one (``group_size`` 1), so the pack stage's
+``groups_per_step`` is the number of records per optimizer step.
+
+A record without the response field, or whose row would exceed ``max_tokens``
+(cut inside the prompt or an image), is refused naming its ``prompt_id``: nothing
+is trained on a silently shortened sequence.
+
+    sft:
+      class: stages.sft_records.SFTRecords
+      config: {model: smollm2-135m-instruct-moe-vlm, response_field: answer, max_tokens: 512}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pydantic import Field
+
+from molt.agents import ChatTemplate
+from molt.schema import batch_from_rows, make_schema, resolve_fields
+from molt.stage import Port, StageConfig, Transform
+
+WRITES = ("sample_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "policy_version", "group_size",
+          "finish_reason", "images", "image_token_positions")
+
+
+class SFTRecords(Transform):
+    """Prompt rows in, one prompt/response trajectory row out per prompt."""
+
+    class Config(StageConfig):
+        model: str = Field("smollm2-135m-instruct", description="its chat template and image processor are used")
+        response_field: str = Field("answer", description="task field holding the demonstration text")
+        max_tokens: int = Field(2048, ge=2, description="longest row (prompt + response + EOS), tokens")
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "metadata"))}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=("prompt_id", "metadata", *WRITES))}
+    config: Config
+
+    def setup(self) -> None:
+        from molt.models import resolve_model
+
+        self.chat = ChatTemplate.for_model(resolve_model(self.config.model))
+        self.eos = self.chat.tok.eos_token_id
+        if self.eos is None:
+            raise ValueError(f"stages.{self.ctx.stage_id}.config.model: the tokenizer has no EOS token to end "
+                             "a demonstration with")
+        fields = resolve_fields(self.outputs["out"].writes, "SFTRecords")
+        self.schema = make_schema(fields, "trajectory")
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        rows = [self.row(p, json.loads(m)) for p, m in zip(batch.column("prompt_id").to_pylist(),
+                                                             batch.column("metadata").to_pylist())]
+        self.metrics.count("records", len(rows))
+        self.metrics.count("response_tokens", sum(sum(r["loss_mask"]) for r in rows))
+        return batch_from_rows(rows, self.schema)
+
+    def row(self, prompt_id: str, task: dict[str, Any]) -> dict[str, Any]:
+        """The trajectory row of one task record (module docstring).
+
+        Raises:
+            ValueError: naming ``prompt_id``: no response field, no messages, or too long.
+        """
+        c, where = self.config, f"stages.{self.ctx.stage_id}: prompt {prompt_id!r}"
+        if task.get(c.response_field) is None or not task.get("messages"):
+            raise ValueError(f"{where}: the record needs 'messages' and {c.response_field!r} "
+                             f"(response_field); got keys {sorted(task)}")
+        prompt = self.chat.prompt_ids(task["messages"])
+        images = self.chat.images(task["messages"])
+        response = self.chat.encode(str(task[c.response_field])) + [self.eos]
+        ids = prompt + response
+        if len(ids) > c.max_tokens:
+            raise ValueError(f"{where}: {len(ids)} tokens (prompt {len(prompt)}, response {len(response)}) exceed "
+                             f"max_tokens {c.max_tokens}; hint: raise max_tokens, the row is never cut")
+        image_token = self.chat.image_token_id
+        return {"prompt_id": prompt_id, "metadata": json.dumps(task), "sample_id": f"{prompt_id}/sft",
+                "rollout_id": f"{prompt_id}/sft", "segment_index": 0, "token_ids": ids,
+                "loss_mask": [False] * len(prompt) + [True] * len(response), "policy_version": [-1] * len(ids),
+                "group_size": 1, "finish_reason": "stop", "images": images or None,
+                "image_token_positions": [i for i, t in enumerate(ids) if t == image_token] if images else None}
