@@ -19,6 +19,11 @@ Example: ``MathGrader().grade("so 3 + 4 = 7. #### 7", "7")`` -> ``Grade(1.0, "7"
 ``grade("I think 3 then 5", "5")`` -> 1.0 (last number); ``grade("no idea", "5")`` ->
 ``Grade(0.0, None)``.
 
+The shapes grader (:mod:`molt.tasks.shapes`) reads the first count (a digit 1-9 or
+one..nine) and the first colour word (red, green, blue, yellow), case-insensitive, and
+scores 1.0 iff both equal the answer's: ``grade("There are three red shapes.", "3 red")``
+-> ``Grade(1.0, "3 red")``; ``grade("3 blue", "3 red")`` -> ``Grade(0.0, "3 blue")``.
+
 The completion text is used for grading only; it never feeds training.
 """
 
@@ -37,6 +42,9 @@ _NUMBER_RE = re.compile(_NUMBER)
 _HASHES_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER.replace(r"(?<![\w.])", "") + ")")
 _BOXED = "\\boxed{"
 _MATH_VERIFY_TIMEOUT_S = 5
+_COUNT_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_COUNT_RE = re.compile(r"\b(?:[1-9]|" + "|".join(_COUNT_WORDS) + r")\b", re.IGNORECASE)
+_COLOUR_RE = re.compile(r"\b(?:red|green|blue|yellow)\b", re.IGNORECASE)
 
 
 class Grade(NamedTuple):
@@ -118,6 +126,20 @@ def answers_match(extracted: str, answer: str) -> bool:
     return _math_verify_match(extracted, answer)
 
 
+def parse_count_colour(text: str) -> tuple[int | None, str | None]:
+    """The first count and the first colour word in ``text`` (None where there is none).
+
+    ``"3 red"`` -> ``(3, "red")``; ``"There are Three RED shapes."`` -> ``(3, "red")``;
+    ``"blue"`` -> ``(None, "blue")``; ``"3rd"`` -> ``(None, None)``.
+    """
+    count, colour = _COUNT_RE.search(text), _COLOUR_RE.search(text)
+    number = None
+    if count:
+        word = count.group().lower()
+        number = int(word) if word.isdigit() else _COUNT_WORDS.index(word) + 1
+    return number, colour.group().lower() if colour else None
+
+
 class _GraderConfig(BaseModel):
     """Unknown keys fail at load; configs are immutable."""
 
@@ -153,4 +175,16 @@ class ExactGrader(_GraderConfig):
         return Grade(float(got == want), got)
 
 
-GraderConfig = Annotated[Union[MathGrader, ExactGrader], Field(discriminator="type")]
+class ShapesGrader(_GraderConfig):
+    """Count and colour of a shapes picture (:mod:`molt.tasks.shapes`): 1.0 iff both are right."""
+
+    type: Literal["shapes"] = "shapes"
+
+    def grade(self, completion: str, answer: str) -> Grade:
+        """``grade("three red", "3 red")`` -> ``Grade(1.0, "3 red")``; nothing found -> ``Grade(0.0, None)``."""
+        got = parse_count_colour(completion)
+        extracted = " ".join(str(part) for part in got if part is not None) or None
+        return Grade(float(None not in got and got == parse_count_colour(str(answer))), extracted)
+
+
+GraderConfig = Annotated[Union[MathGrader, ExactGrader, ShapesGrader], Field(discriminator="type")]

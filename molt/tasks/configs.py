@@ -8,6 +8,7 @@ discriminated union (an unknown ``type`` or key fails at load, naming the choice
     task: {type: gsm8k, path: /data/gsm8k/train.jsonl}
     task: {type: jsonl, path: prompts.jsonl, split: train}
     task: {type: parquet, path: prompts.parquet}
+    task: {type: shapes, seed: 0, num_problems: 1000, split: train}
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from molt.tasks.arithmetic import ArithmeticProblems
 from molt.tasks.gsm8k import DEFAULT_INSTRUCTION, read_gsm8k
 from molt.tasks.records import RecordSet, Task, generic_record, read_jsonl, read_parquet
+from molt.tasks.shapes import ShapeProblems
 
 
 class _TaskConfig(BaseModel):
@@ -53,6 +55,30 @@ class ArithmeticTask(_TaskConfig):
             seed=self.seed, num_records=self.num_problems, split=self.split,
             min_operand=self.min_operand, max_operand=self.max_operand,
             operations=self.operations, eval_fraction=self.eval_fraction, style=self.style)
+
+
+class ShapesTask(_TaskConfig):
+    """Generated count-and-colour pictures (:mod:`molt.tasks.shapes`), for vision-language models."""
+
+    type: Literal["shapes"] = "shapes"
+    seed: int = 0
+    num_problems: int | None = Field(1000, ge=1, description="scenes per epoch; null = an endless stream")
+    split: Literal["train", "eval"] = "train"
+    min_shapes: int = Field(1, ge=1, le=4, description="fewest shapes in a scene (inclusive)")
+    max_shapes: int = Field(4, ge=1, le=4, description="most shapes in a scene (inclusive)")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all scenes held out for eval")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ShapesTask:
+        if self.min_shapes > self.max_shapes:
+            raise ValueError(f"min_shapes must be <= max_shapes; got {self.min_shapes} > {self.max_shapes}; "
+                             "hint: swap them")
+        return self
+
+    def load(self) -> Task:
+        return ShapeProblems(seed=self.seed, num_records=self.num_problems, split=self.split,
+                             min_shapes=self.min_shapes, max_shapes=self.max_shapes,
+                             eval_fraction=self.eval_fraction)
 
 
 class _FileTask(_TaskConfig):
@@ -108,4 +134,5 @@ class ParquetTask(_FileTask):
         return self.first(read_parquet(self.path, split=self.split, skip_malformed=self.skip_malformed))
 
 
-TaskConfig = Annotated[Union[ArithmeticTask, GSM8KTask, JSONLTask, ParquetTask], Field(discriminator="type")]
+TaskConfig = Annotated[Union[ArithmeticTask, ShapesTask, GSM8KTask, JSONLTask, ParquetTask],
+                       Field(discriminator="type")]
