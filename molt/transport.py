@@ -184,7 +184,9 @@ class OutputEdge:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, spec.hwm)
         self.sock.setsockopt(zmq.RCVHWM, spec.hwm)
-        self.sock.setsockopt(zmq.LINGER, 0 if spec.kind == "broadcast" else 30_000)
+        # broadcast: 5 s, enough to flush the end of stream to live subscribers (with 0 a producer that exits
+        # right after its last send dropped it, and a subscriber waited forever), short for departed ones
+        self.sock.setsockopt(zmq.LINGER, 5_000 if spec.kind == "broadcast" else 30_000)
         endpoint = spec.endpoints[replica]
         if endpoint.startswith("ipc://"):
             Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
