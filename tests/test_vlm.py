@@ -113,6 +113,30 @@ def test_an_image_whose_placeholder_count_mismatches_is_refused_naming_the_sampl
         ChatTemplate(chat.tok).prompt_ids(ask(red))
 
 
+def test_a_rollout_whose_policy_generates_the_image_token_counts_as_failed(tiny_vlm):
+    import asyncio
+
+    from molt.agents import SingleTurn
+    from molt.agents.episode import run_group
+    from molt.engines.base import Completion
+
+    chat = ChatTemplate.for_model(tiny_vlm)
+
+    class Generates:  # an engine double whose policy emits the image token, which no image could fill
+        async def generate(self, request_id, prompt_token_ids, params, images=()):
+            assert images and prompt_token_ids.count(chat.image_token_id) == 16
+            return Completion([chat.image_token_id, 2], [-1.0, -1.0], [0, 0], "stop")
+
+    from molt.agents import run_episode
+
+    async def episode(rid):
+        return await run_episode(Generates(), chat, SingleTurn(), {"messages": ask(png((255, 0, 0)))},
+                                 SamplingParams(), rid)
+
+    rows, failed = asyncio.run(run_group(episode, "p", {}, 0, 2, with_score=False))
+    assert rows == [] and len(failed) == 2 and "generated its image token" in str(failed[0][1])
+
+
 def test_rows_with_the_same_prompt_tokens_but_other_images_never_share_a_prompt_forward(tiny_vlm):
     from molt.train.model import load_policy
 

@@ -112,7 +112,8 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
     """Run one rollout of ``env`` on ``task`` (see the module docstring).
 
     Raises:
-        ValueError: the opening prompt is empty or does not fit ``max_total_tokens``.
+        ValueError: the opening prompt is empty or does not fit ``max_total_tokens``, or a VLM
+            policy generated its image token (molt.multimodal).
         AgentError: ``env.reset`` or ``env.step`` raised (the caller counts the failure).
     """
     messages: list[Message] = list(_call_env(env.reset, task, request_id))
@@ -130,6 +131,9 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
             break
         out = await engine.generate(f"{request_id}/t{turns}", seg.token_ids,
                                     dataclasses.replace(params, max_new_tokens=budget), seg.images)
+        if chat.image_token_id is not None and chat.image_token_id in out.token_ids:
+            raise ValueError(f"request {request_id}: the policy generated its image token (id {chat.image_token_id}), "
+                             "which no image fills and no forward can take; the rollout counts as failed")
         seg.extend_generated(out)
         text = chat.decode(out.token_ids)
         messages.append({"role": "assistant", "content": text})
