@@ -111,6 +111,8 @@ def test_an_image_whose_placeholder_count_mismatches_is_refused_naming_the_sampl
         packed_pixel_values(None, rows, [[red], None], ["one", "none"], packed.token_index)
     with pytest.raises(ValueError, match="no image processor"):  # a text-only template refuses image parts
         ChatTemplate(chat.tok).prompt_ids(ask(red))
+    with pytest.raises(ValueError, match=r"prompt 'p0': \d+ tokens .* exceed max_tokens 40; .* never cut"):
+        sft_rows(tiny_vlm, {"red": (255, 0, 0)}, max_tokens=40)  # the image would be cut: the row is refused
 
 
 def test_a_rollout_whose_policy_generates_the_image_token_counts_as_failed(tiny_vlm):
@@ -162,11 +164,11 @@ def test_rows_with_the_same_prompt_tokens_but_other_images_never_share_a_prompt_
     assert not torch.allclose(alone[0], alone[1], atol=1e-4)  # the image changes the answer's logprobs
 
 
-def sft_rows(model_dir: Path, colours: dict[str, tuple[int, int, int]]) -> list[dict]:
+def sft_rows(model_dir: Path, colours: dict[str, tuple[int, int, int]], max_tokens: int = 256) -> list[dict]:
     from stages.sft_records import SFTRecords
 
     stage = SFTRecords.__new__(SFTRecords)  # its row() only: no pipeline around it
-    stage.config = SFTRecords.Config(model=str(model_dir), max_tokens=256)
+    stage.config = SFTRecords.Config(model=str(model_dir), max_tokens=max_tokens)
     stage.ctx = type("Ctx", (), {"stage_id": "sft"})()
     stage.chat = ChatTemplate.for_model(model_dir)
     stage.eos = stage.chat.tok.eos_token_id
