@@ -160,6 +160,14 @@ def decode_images(images: Sequence[bytes]) -> list[Any]:
     return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
 
 
+def row_images(batch: Any) -> list[tuple[bytes, ...]]:
+    """[N] each row's images (column ``images``; () when null or absent): rows share a prompt forward
+    only when their images are equal too (molt.train.packing ``prompt_keys``)."""
+    if "images" not in batch.schema.names:
+        return [()] * batch.num_rows
+    return [tuple(images or ()) for images in batch.column("images").to_pylist()]
+
+
 def packed_pixel_values(vision: VisionProcessor | None, rows: Sequence[Sequence[int]],
                         images: Sequence[Sequence[bytes] | None], sample_ids: Sequence[str],
                         token_index: torch.Tensor) -> torch.Tensor | None:

@@ -42,6 +42,7 @@ from pydantic import Field
 
 from molt.checkpoint import read_replica_state
 from molt.columns import row_lengths
+from molt.multimodal import row_images
 from molt.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens
 from molt.transport import Barrier
@@ -126,7 +127,7 @@ class Pack(Service):
         lengths = row_lengths(batch, "token_ids")
         # Rows sharing a prompt are one unit (the trainer forwards the prompt once): placed together.
         tokens = batch.column("token_ids").to_pylist()
-        units = prefix_units(tokens, batch.column("loss_mask").to_pylist())
+        units = prefix_units(tokens, batch.column("loss_mask").to_pylist(), row_images(batch))  # images: as the trainer
         cost = unit_tokens(tokens, units)
         unit_plan = plan_step(cost, self.config.world_size, self.config.max_tokens_per_micro_batch)
         plan_rank, plan_micro = np.zeros(batch.num_rows, np.int32), np.zeros(batch.num_rows, np.int32)

@@ -44,7 +44,7 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
-from molt.multimodal import packed_pixel_values
+from molt.multimodal import packed_pixel_values, row_images
 from molt.schema import make_schema
 from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
 from molt.train.optim import OptimConfig, set_lr
@@ -137,9 +137,9 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss (0-dim) and its token metrics."""
     loss_masks, rows = mb.column("loss_mask").to_pylist(), mb.column("token_ids").to_pylist()
-    images = mb.column("images").to_pylist() if "images" in mb.schema.names else [None] * mb.num_rows
+    images = row_images(mb)
     shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
-    packed = pack_sequences(rows, loss_masks if shares else None, [tuple(i or ()) for i in images])
+    packed = pack_sequences(rows, loss_masks if shares else None, images)
     pixels = packed_pixel_values(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
                                  packed.token_index)  # a VLM: the images in packed order
     probe = getattr(model, "router_probe", None)
