@@ -149,7 +149,9 @@ def summarize(path: str | os.PathLike[str], tokenizer: Any = None, num_samples: 
 
 
 def _short(value: Any, limit: int = 160) -> str:
-    text = json.dumps(value) if not isinstance(value, bytes) else f"<{len(value)} bytes>"
+    """A value as JSON cut to ``limit`` characters; bytes (e.g. ``routed_experts``, each of ``images``) by size."""
+    text = json.dumps(value, default=lambda b: f"<{len(b)} bytes>") if not isinstance(value, bytes) \
+        else f"<{len(value)} bytes>"
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 

@@ -387,6 +387,9 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     rows = [r for b in read_batches(recorded) for r in b.to_pylist()]
     assert len(rows) >= 16 and all(len(r["images"]) == 1 and len(r["image_token_positions"]) == 16 for r in rows)
     assert all(r["routed_experts"] is not None and r["score"] in (0.0, 1.0) for r in rows)
+    from molt.recording import summarize
+
+    assert '"<' in summarize(recorded) and "images" in summarize(recorded)  # molt inspect shows bytes by size
     for r in rows:  # the picture in the row is the task's picture
         task = json.loads(r["metadata"])
         assert r["images"][0] == ChatTemplate.for_model(export).images(task["messages"])[0]
