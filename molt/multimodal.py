@@ -86,6 +86,9 @@ class VisionProcessor:
 
     Loaded from the model folder's ``processor_config.json`` (``AutoProcessor``); the
     model's ``config.json`` gives ``image_token_id`` (or ``image_token_index``).
+
+    Raises:
+        ValueError: a processor without a fixed number of image tokens per image (naming the folder).
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -95,10 +98,13 @@ class VisionProcessor:
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.processor = AutoProcessor.from_pretrained(str(model_dir))
-        self.placeholder: str = self.processor.image_token
         self.image_token_id = int(config.get("image_token_id", config.get("image_token_index")))
-        self.tokens_per_image = int(self.processor.num_image_tokens if hasattr(self.processor, "num_image_tokens")
-                                    else config["image_seq_length"])
+        count = getattr(self.processor, "num_image_tokens", None) or config.get("image_seq_length")
+        if count is None or getattr(self.processor, "image_token", None) is None:
+            raise ValueError(f"{model_dir}: the processor ({type(self.processor).__name__}) has no fixed number of "
+                             "image tokens per image (image_seq_length); Molt supports LLaVA-style processors, not "
+                             "dynamic resolution (e.g. Qwen-VL) yet")
+        self.tokens_per_image, self.placeholder = int(count), str(self.processor.image_token)
 
     @staticmethod
     def of(model_dir: str | Path) -> VisionProcessor | None:
