@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from molt.train.model import PolicyModel, export_names
+from molt.train.model import PolicyModel, export_names, full_state_dict
 
 
 def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
@@ -48,9 +48,7 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     torch.save(rng, folder / f".rng.rank{rank}.tmp")
     os.replace(folder / f".rng.rank{rank}.tmp", folder / f"rng.rank{rank}.pt")
     if rank == 0:
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy(f, folder / f.name)
+        _copy_model_files(model_dir, folder)
         names = export_names(model)
         weights = {names[k]: cast(torch.Tensor, v).contiguous() for k, v in model_state.items() if k in names}
         save_file(weights, str(folder / ".model.tmp"), metadata={"format": "pt"})
@@ -58,6 +56,13 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
         torch.save(optim_state, folder / ".optimizer.tmp")
         os.replace(folder / ".optimizer.tmp", folder / "optimizer.pt")
     dist.barrier()
+
+
+def _copy_model_files(model_dir: Path, dest: Path) -> None:
+    """Every file of the model folder but its weights: config, tokenizer, chat template, image processor."""
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, dest / f.name)
 
 
 def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
@@ -71,17 +76,13 @@ def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
     Returns:
         ``out``.
     """
-    from molt.train.model import full_state_dict
-
     state = full_state_dict(model)  # every rank joins; rank 0 gets the tensors
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy(f, tmp / f.name)
+        _copy_model_files(model_dir, tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if out.exists():
             shutil.rmtree(out)
