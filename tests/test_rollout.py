@@ -25,8 +25,8 @@ class Recording(TransformersEngine):
         super().__init__(*a, **k)
         self.completions = []
 
-    async def generate(self, request_id, prompt_token_ids, params):
-        out = await super().generate(request_id, prompt_token_ids, params)
+    async def generate(self, request_id, prompt_token_ids, params, images=()):
+        out = await super().generate(request_id, prompt_token_ids, params, images)
         self.completions.append(out)
         return out
 

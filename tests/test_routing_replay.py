@@ -15,7 +15,8 @@ from molt.schema import batch_from_rows, make_schema, resolve_fields
 from tests.test_moe import stage_step, train_stage
 
 COLUMNS = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
-           "policy_version", "group_size", "finish_reason", "metadata", "routed_experts", "advantages", "reward")
+           "policy_version", "group_size", "finish_reason", "metadata", "routed_experts", "advantages", "reward",
+           "images", "image_token_positions")
 
 
 class TwoTurns(Env):
