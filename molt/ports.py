@@ -137,6 +137,7 @@ class OutputPort:
                  producer_id: str, recorders: dict[str, Any] | None = None):
         """``edges``: (spec, index of this producer among the edge's endpoints)."""
         self.name, self.producer_id = name, producer_id
+        self.ended = False  # end of stream sent (once: a stage may end a port before its run() returns)
         self.edges = [OutputEdge(ctx, s, i, producer_id) for s, i in edges]
         self.recorders = recorders or {}
         self.buffers = SendBuffers()
@@ -177,6 +178,9 @@ class OutputPort:
                 await e.send_control(BARRIER, json.dumps({"step": step}).encode())
 
     async def send_end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
         for e in self.edges:
             await e.send_control(END, self.producer_id.encode())
 

@@ -79,6 +79,9 @@ WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
     _field("tensor_digests", pa.list_(pa.string()),
            "[N] digest of each tensor's dtype, shape and bytes (molt.engines.weights.tensor_digest), "
            "in tensor_names order; the engine recomputes them as it loads (refit verification)"),
+    _field("tensor_dtypes", pa.list_(pa.string()), "[N] torch dtype of each tensor without 'torch.' (float32, "
+           "bfloat16), in tensor_names order: a streamed transfer (format nccl) sizes its buffers by them"),
+    _field("tensor_shapes", pa.list_(pa.list_(pa.int64())), "[N][rank] shape of each tensor, tensor_names order"),
     _field("probe_token_ids", _I32_LIST,
            "[P] fixed probe token ids (molt.engines.probe), the same every version; empty = no probe"),
     _field("probe_logprobs", _F32_LIST,

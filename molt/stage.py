@@ -165,6 +165,11 @@ class Stage:
         await out.send(batch)
         self.metrics.count(f"rows_out_{port}" if port != "out" else "rows_out", batch.num_rows)
 
+    async def end(self, port: str) -> None:
+        """Send end of stream on output ``port`` now, before ``run()`` returns (e.g. to keep
+        reading a feedback input until its producer ends); the runner's end later is a no-op."""
+        await self.ctx.outputs[port].send_end()
+
     async def recv(self, port: str = "in", timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
         """Next batch or barrier from input ``port``; None at end of stream."""
         item = await self.ctx.inputs[port].recv(timeout_s)

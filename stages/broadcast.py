@@ -11,7 +11,15 @@ consumers still reading their records; temp name, then an atomic rename), keeps 
 newest ``keep_versions`` files, digests every tensor (molt.engines.weights.tensor_digest)
 and sends a weight-version record (molt.schema.WEIGHT_VERSION_SCHEMA, ``policy_version``
 = optimizer steps done, the probe) on ``weights``; the rollout loads it and verifies
-the digests and the probe (its engine must match within ``probe_atol``). With tied
+the digests and the probe (its engine must match within ``probe_atol``). With
+``transport: {type: nccl}`` (CUDA; unverified on GPUs) no file is written: the record
+(format "nccl", the rendezvous uri, every tensor's digest, dtype and shape) goes out
+first, then rank 0 broadcasts the tensors to every engine worker over vLLM's
+weight-transfer API (molt.engines.nccl_transfer), waiting until they have taken them;
+every subscriber of ``weights`` must then be an engine with ``engine.transport: {type:
+nccl}`` counted in ``num_engine_workers`` (an evaluation takes files: give it a second
+broadcast with ``transport: {type: shm}``, also fused into the train stage and fed by
+its own ``{from: train, to: eval_broadcast}`` edge, as pipelines/gsm8k_gpu.yaml does). With tied
 embeddings only ``model.embed_tokens.weight`` is written, as in the HF folder. Step records are
 passed on ``out`` (e.g. to a sink). A resumed trainer's resume record (``num_rows``
 0) is always exported, whatever ``every_steps``, and not passed on.
@@ -24,22 +32,27 @@ passed on ``out`` (e.g. to a sink). A resumed trainer's resume record (``num_row
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import pyarrow as pa
 from pydantic import Field
 
 from molt.engines.probe import Probe, policy_probe, probe_token_ids
-from molt.engines.weights import publish_weights
+from molt.engines.transport import NCCLTransport, ShmTransport, TransportConfig, check_transport
+from molt.engines.weights import publish_weights, state_digests, weight_record
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig, run_owned, scratch_folder
 from molt.train.handoff import policy_handle
 from molt.train.model import full_state_dict
 from molt.transport import Barrier
+
+if TYPE_CHECKING:
+    from molt.engines.nccl_transfer import NCCLSender
 
 
 class Broadcast(Service):
@@ -54,6 +67,8 @@ class Broadcast(Service):
         probe_tokens: int = Field(32, ge=0, description="length P of the refit probe (molt.engines.probe); < 2 = none")
         probe_atol: float | None = Field(None, gt=0, description="largest |engine - trainer| probe logprob "
                                          "accepted; None: 1e-3 for an fp32 trainer forward, 1.0 for bf16")
+        transport: TransportConfig = Field(default_factory=ShmTransport, description="{type: shm}: a safetensors "
+                                           "file in dir; {type: nccl}: vLLM's weight-transfer API (module docstring)")
 
     config: Config
     inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=(pa.field("policy_version", pa.int32()),
@@ -63,8 +78,10 @@ class Broadcast(Service):
     def setup(self) -> None:
         self.handle = policy_handle(self.config.train_stage)
         self.handle.consumers += 1
+        check_transport(self.config.transport, f"stages.{self.ctx.stage_id}.config.transport")
         self.folder: Path | None = None
-        if self.ctx.rank == 0:
+        self.sender: NCCLSender | None = None  # rank 0 with nccl, at the first export (on its GPU by then)
+        if self.ctx.rank == 0 and self.config.transport.type == "shm":
             if self.config.dir is None:
                 self.folder = scratch_folder("molt-weights-")
             else:
@@ -84,15 +101,14 @@ class Broadcast(Service):
             version = int(item.column("policy_version")[-1].as_py())
             resumed = item.column("num_rows")[-1].as_py() == 0
             if version % self.config.every_steps == 0 or resumed:
-                record = self.export(version)
-                if record is not None:
-                    await self.send("weights", record)
+                await self.export(version)
             if not resumed:
                 await self.send("out", item)
             self.handle.ack(step)
 
-    def export(self, version: int) -> pa.RecordBatch | None:
-        """Gather the full state dict (collective); on rank 0 write it and return its record."""
+    async def export(self, version: int) -> None:
+        """Gather the full state dict (collective); on rank 0 publish it: its record on ``weights``
+        (after writing its file, or before the NCCL send)."""
         if self.handle.model is None:
             raise ValueError(f"stage {self.ctx.stage_id!r}: no train stage {self.config.train_stage!r} in this "
                              "process; hint: set colocate_with and train_stage to the train stage's id")
@@ -100,16 +116,28 @@ class Broadcast(Service):
         state = full_state_dict(self.handle.model)
         probe_start = time.monotonic()
         probe, probe_seconds = self._probe(), time.monotonic() - probe_start
-        if self.folder is None:  # ranks > 0 only take part in the gather
-            return None
-        record = publish_weights(state, self.folder / f"policy_v{version}.safetensors", version, probe)
-        self._prune(Path(record["uri"].removeprefix("file://")))
+        if self.ctx.rank > 0:  # ranks > 0 only take part in the gather and the probe
+            return
+        if isinstance(transport := self.config.transport, NCCLTransport):
+            # 1) the record tells the engines what comes  2) they meet the send in NCCL
+            if self.sender is None:
+                from molt.engines.nccl_transfer import NCCLSender
+
+                self.sender = NCCLSender(transport)
+            fields = self.sender.record_fields(state)
+            record = weight_record(state, version, fields["uri"], state_digests(state), probe, fields["format"])
+            await self.send("weights", batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
+            await asyncio.to_thread(self.sender.send, state)
+        else:
+            assert self.folder is not None, "rank 0 of shm has a folder"
+            record = publish_weights(state, self.folder / f"policy_v{version}.safetensors", version, probe)
+            self._prune(Path(record["uri"].removeprefix("file://")))
+            await self.send("weights", batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
         self.log.info("published version %d: %d tensors, %.1f MB in %.2fs (probe %.2fs)", version, len(state),
                       record["num_bytes"] / 1e6, time.monotonic() - start, probe_seconds)
         self.handle.export_seconds = time.monotonic() - start
         self.metrics.log({"export_seconds": self.handle.export_seconds, "probe_seconds": probe_seconds,
                           "policy_version": version}, step=version)
-        return batch_from_rows([record], WEIGHT_VERSION_SCHEMA)
 
     def _probe(self) -> Probe | None:
         """The trainer's refit probe of the new weights: a forward, so a collective (all ranks)."""
@@ -126,6 +154,9 @@ class Broadcast(Service):
             self.written.pop(0).unlink(missing_ok=True)
 
     def close(self) -> None:
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()  # type: ignore[union-attr]
+            self.sender = None
         # In the run's scratch folder the files stay until the runner removes it after every process
         # has exited, so a consumer still reading the last version's record finds its file.
         if getattr(self, "folder", None) is not None and not run_owned(self.folder):  # type: ignore[arg-type]

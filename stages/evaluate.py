@@ -92,7 +92,7 @@ class Evaluate(Service):
         self.problems = [task.record(i) for i in range(task.num_records)]
         model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(model_dir)
-        self.engine = make_engine(c.engine, str(model_dir))
+        self.engine = make_engine(c.engine, str(model_dir), f"stages.{self.ctx.stage_id}.config.engine", self.ctx.replica)
         self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
@@ -139,6 +139,10 @@ class Evaluate(Service):
         """The record with ``uri`` at a hard link of its file in our folder, now our newest link (the
         previous one is dropped unless an engine is loading it); ``uri`` None if the broadcast had
         already pruned the file (it prunes only after writing a newer one, whose record follows)."""
+        if record.get("format", "safetensors") != "safetensors":
+            raise ValueError(f"stage {self.ctx.stage_id!r}: weight record v{record['policy_version']} comes over "
+                             f"{record['format']!r}; an evaluation loads files; hint: feed it from a broadcast "
+                             "stage with transport {type: shm} (stages.broadcast docstring)")
         source = Path(record["uri"].removeprefix("file://"))
         link = self.folder / f"v{record['policy_version']}.safetensors"
         if not link.exists():

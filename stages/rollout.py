@@ -1,23 +1,23 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``;
-each becomes ``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or
-``agent`` (OpenAI SDK code, molt.agents.openai_server) on one engine (vLLM by default).
-Token ids, logprobs and versions go from the engine to the record untouched;
-``metadata.completion_text`` (last turn, decoded) is for graders.
+Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``; each
+becomes ``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or ``agent`` (OpenAI
+SDK code, molt.agents.openai_server) on one engine (vLLM by default). Token ids, logprobs and versions
+go from the engine to the record untouched; ``metadata.completion_text`` (decoded) is for graders.
 
 Admission control (DESIGN §4): groups are sent in the order they started, so group ``i``
 is trained in step ``i // groups_per_step``, with tokens no older than the engine's version
 when it starts: it starts only when ``engine_version >= i // groups_per_step - max_staleness``.
 Example: 2 groups per step, max_staleness 0: groups 0-1 start at once, 2-3 wait for version 1.
 
-Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded
-(in-flight sequences continue on the new version) and verified (digests and probe:
-apply_weight_record); a failure stops the run. Checkpoint: groups admitted and the engine's
-version (resumed, nothing is admitted until the broadcast re-publishes that version).
-Failures: an env or agent that raises, or a prompt over the context window, fails its
-rollout: counted (``rollouts_failed``), logged, not emitted (``group_size`` stays the
-number started); if every rollout fails, or the engine fails, the stage fails.
+Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded (in-flight
+sequences continue on the new version) and verified (apply_weight_record); a failure stops the run.
+Streamed ones (``engine.transport: nccl``: the trainer's send waits for every engine) are taken until
+the broadcast ends, after ``out``. Checkpoint: groups admitted and the engine's version (resumed,
+nothing is admitted until the broadcast re-publishes that version).
+Failures: an env or agent that raises, or a prompt over the context window, fails its rollout:
+counted (``rollouts_failed``), logged, not emitted (``group_size`` stays the number started); if
+every rollout fails, or the engine fails, the stage fails.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pydantic import Field
 from molt.agents import ChatServer, ChatTemplate, Env, Episode, SingleTurn, run_episode, run_group
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
-from molt.engines.weights import apply_weight_record
+from molt.engines.weights import refit_from
 from molt.config import import_class
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
@@ -86,7 +86,7 @@ class Rollout(Service):
         self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(self.model_dir)
-        self.engine = make_engine(c.engine, str(self.model_dir))
+        self.engine = make_engine(c.engine, str(self.model_dir), f"{where}.engine", self.ctx.replica)
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
@@ -131,6 +131,10 @@ class Rollout(Service):
             done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             await self._send_done([t.result() for t in done])
         self._log_throughput()
+        if self.config.weights_input and self.engine.streams_weights:
+            await self.end("out")  # 4) streamed refits wait for every engine: take them until the trainer ends
+            while (item := await self.recv("weights")) is not None:
+                await self._refit_if_new_weights(item)
 
     def _log_throughput(self) -> None:
         counts = self.metrics.counters
@@ -186,13 +190,10 @@ class Rollout(Service):
         return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
                                  self.config.max_turns, self.config.engine.max_model_len)
 
-    async def _refit_if_new_weights(self) -> None:
-        if (port := self.ctx.inputs.get("weights")) is None:
-            return
-        await port.drain_nowait()  # type: ignore[attr-defined]
-        record, start = port.latest(), time.monotonic()  # type: ignore[attr-defined]
-        if record is not None and await apply_weight_record(self.engine, record.to_pylist()[-1]):
-            self.metrics.log({"refit_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
+    async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
+        port = self.ctx.inputs.get("weights")
+        if port is not None and (seconds := await refit_from(self.engine, port, item)) is not None:
+            self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
         for part in (p for p in (getattr(self, "server", None), getattr(self, "engine", None)) if p is not None):

@@ -3,6 +3,8 @@
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from molt.stage import StageContext
 from stages.evaluate import Evaluate
 
@@ -39,3 +41,6 @@ def test_only_the_newest_link_and_the_one_being_loaded_are_kept(tmp_path, monkey
     assert sorted(p.name for p in own.iterdir()) == ["v4.safetensors"]
     pruned = stage._keep({"policy_version": 5, "uri": f"file://{broadcast / 'gone.safetensors'}"})
     assert pruned["uri"] is None and sorted(p.name for p in own.iterdir()) == ["v4.safetensors"]
+    with pytest.raises(ValueError, match=r"stage 'evaluate': weight record v6 comes over 'nccl'; an evaluation "
+                                         r"loads files; hint: .*transport \{type: shm\}"):
+        stage._keep({"policy_version": 6, "uri": "nccl://127.0.0.1:29551?world_size=2", "format": "nccl"})

@@ -5,9 +5,10 @@ Four tiers:
 - the trainer's sender against vLLM 0.32's own trainer engine, with the NCCL endpoint
   and broadcast stubbed (what vLLM would ship to the engines must equal what the
   record tells them): CPU, imports vLLM;
-- the engine's receiver on a real vLLM CPU engine with a file-backed backend
-  (tests/doubles/file_transfer.py): the whole AsyncLLM start/update/finish lifecycle,
-  digests and probe, a corrupted refit caught (about 60 s on 2 busy cores: one engine start);
+- the engine's side on a real VLLMEngine (vLLM's CPU build) with a file-backed backend
+  (tests/doubles/file_transfer.py), through apply_weight_record as the rollout calls it: the
+  whole AsyncLLM start/update/finish lifecycle, digests and probe, a corrupted refit caught
+  (about 60 s on 2 busy cores: one engine start);
 - `gpu`: one refit through NCCL from a trainer GPU to an engine GPU, verified.
   Unverified: not yet run on a GPU (no CUDA machine so far).
 """
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import socket
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,7 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from molt.engines.transport import (IPCTransport, NCCLTransport, ShmTransport, TransportConfig, check_covers,
                                     check_transport, engine_backend, rank_offset, tensor_layout, transfer_uri,
                                     update_info, worker_init_info)
-from molt.engines.weights import tensor_digest, verify_refit
+from molt.engines.weights import tensor_digest
 
 WHERE = "stages.broadcast.config.transport"
 PROBE = [1, 17, 300, 4211, 97, 5, 12000, 33, 2048, 7]
@@ -141,8 +143,6 @@ def test_the_watched_loader_digests_exactly_what_the_loader_consumes():
 
 
 def test_the_worker_extension_watches_the_transfer_target_and_restores_it():
-    from types import SimpleNamespace
-
     from molt.engines.nccl_transfer import MoltTransferWorkerExtension
 
     class Model(torch.nn.Module):
@@ -196,7 +196,7 @@ def stubbed_nccl(monkeypatch):
     broadcast: list[tuple[str, torch.Tensor]] = []
     CapturingClient.calls = []
     monkeypatch.setattr(nt, "RecordDrivenClient", CapturingClient)
-    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: "group")
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: SimpleNamespace(destroy=lambda: None))
 
     def fake_broadcast(self, source, meta):  # vLLM's own order/dtype/shape check, then "send"
         broadcast.extend((n, t.clone()) for n, t in self._checked_iter(source, meta))
@@ -242,6 +242,48 @@ def test_a_send_no_engine_takes_times_out_and_a_failed_send_carries_its_error(st
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_the_broadcast_stage_sends_the_record_first_then_every_tensor_over_nccl(stubbed_nccl, monkeypatch,
+                                                                                 tiny_chat_model):
+    """The broadcast stage's nccl path on CPU: CUDA check and device stubbed, vLLM's trainer engine real."""
+    import functools
+
+    import molt.engines.nccl_transfer as nt
+    import stages.broadcast as broadcast_stage
+    from molt.engines.weights import state_digests
+    from molt.stage import StageContext
+    from molt.train.handoff import policy_handle
+    from molt.train.model import full_state_dict, load_policy, shard_policy
+
+    monkeypatch.setattr(broadcast_stage, "check_transport", lambda transport, where: None)
+    monkeypatch.setattr(nt.NCCLSender, "__init__", functools.partialmethod(nt.NCCLSender.__init__,
+                                                                           device=torch.device("cpu")))
+    model = shard_policy(load_policy(tiny_chat_model, temperature=1.0))
+    policy_handle("train_nccl_test").model = model
+    config = broadcast_stage.Broadcast.Config(train_stage="train_nccl_test", probe_tokens=8,
+                                              transport={"type": "nccl", "master_port": 29600})
+    stage = broadcast_stage.Broadcast(config, StageContext("broadcast"))
+    sent_records: list[tuple[dict[str, Any], int]] = []
+
+    async def send(port: str, batch) -> None:  # what went out, and how many tensors NCCL had sent by then
+        sent_records.append((batch.to_pylist()[0], len(stubbed_nccl)))
+
+    monkeypatch.setattr(stage, "send", send)
+    stage.setup()
+    assert stage.folder is None, "no weight files with nccl"
+    asyncio.run(stage.export(1))
+    state = full_state_dict(model)
+    (record, sent_before), = sent_records
+    assert sent_before == 0, "the record precedes the tensors"
+    assert (record["format"], record["policy_version"], len(record["probe_token_ids"])) == ("nccl", 1, 8)
+    assert record["uri"].startswith("nccl://127.0.0.1:29600?world_size=2")
+    assert dict(zip(record["tensor_names"], record["tensor_digests"])) == state_digests(state)
+    assert update_info(record)["names"] == list(state) and record["tensor_shapes"][0] == list(next(iter(state.values())).shape)
+    assert [n for n, _ in stubbed_nccl] == list(state), "every tensor sent, in the record's order"
+    assert all(torch.equal(t, state[n]) for n, t in stubbed_nccl)
+    stage.close()
+    stage.close()  # idempotent
+
+
 def test_the_records_init_and_update_info_are_accepted_by_vllms_dataclasses():
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLWeightTransferInitInfo,
@@ -254,40 +296,6 @@ def test_the_records_init_and_update_info_are_accepted_by_vllms_dataclasses():
 
 
 # ---- shared by the engine-side tests ------------------------------------------------------------
-
-def start_engine(model_dir, backend: str, extension: str, **kwargs: Any):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(model_dir), dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
-        logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
-        worker_extension_cls=extension, weight_transfer_config={"backend": backend}, **kwargs))
-
-
-async def refit(llm, receiver, record: dict[str, Any]) -> list[dict[str, Any]]:
-    """VLLMEngine.load_weights' steps with step 2 through the weight-transfer API."""
-    await llm.pause_generation(mode="keep", clear_cache=False)  # 1) pause
-    try:
-        results = await receiver.receive(llm, record)  # 2) receive
-        await llm.update_weight_version(str(record["policy_version"]))  # 3) relabel
-        await llm.reset_prefix_cache()  # 4) clear the cache (nothing in flight here), resume
-    finally:
-        await llm.resume_generation()
-    return results
-
-
-async def engine_logprobs(llm, token_ids: list[int], request_id: str) -> list[float]:
-    """[P-1] raw prompt logprobs, as VLLMEngine.prompt_logprobs asks for them."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    final = None
-    async for out in llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
-        final = out
-    return [float(step[t].logprob) for step, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
-
 
 def trainer_logprobs(model, token_ids: list[int]) -> list[float]:
     device = next(model.parameters()).device
@@ -331,47 +339,72 @@ def small_llama(tiny_chat_model, tmp_path_factory):
 
 
 def test_a_refit_through_vllms_transfer_lifecycle_is_digest_verified_probed_and_relabelled(small_llama, tmp_path):
+    """VLLMEngine with a weight transfer and apply_weight_record, as the rollout stage calls them."""
     pytest.importorskip("vllm")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from molt.engines.weights import publish_weights
+    from molt.engines.base import SamplingParams
+    from molt.engines.nccl_transfer import WeightTransfer
+    from molt.engines.probe import Probe
+    from molt.engines.vllm import VLLMEngine
+    from molt.engines.weights import apply_weight_record, publish_weights
     from tests.doubles.file_transfer import BACKEND, EXTENSION, FileReceiver
 
     model = AutoModelForCausalLM.from_pretrained(small_llama, dtype=torch.float32).eval()
-    receiver = FileReceiver(digest=True)
+
+    def streamed(version: int, seed: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Version ``version``'s record as the broadcast stage sends it (here the bytes lie in a file)."""
+        state = step(model, seed)
+        probe = Probe(PROBE, trainer_logprobs(model, PROBE), 1e-3)
+        record = publish_weights(state, tmp_path / f"v{version}.safetensors", version, probe)
+        return {**record, "format": BACKEND}, state
 
     async def main() -> None:
-        llm = start_engine(small_llama, BACKEND, EXTENSION, kv_cache_memory_bytes=2**27)
+        engine = VLLMEngine(str(small_llama), max_model_len=256, kv_cache_gib=0.125,
+                            weight_transfer=WeightTransfer(BACKEND, FileReceiver(digest=True), EXTENSION))
         try:
-            before = await engine_logprobs(llm, PROBE, "probe-0")
+            before = await engine.prompt_logprobs(PROBE)
             assert max_diff(before, trainer_logprobs(model, PROBE)) < 1e-3
-            # 1) a good refit: every tensor's digest as the loader consumed it, and the probe
-            state = step(model, seed=1)
-            record = {**publish_weights(state, tmp_path / "v1.safetensors", 1), **tensor_layout(state)}
-            results = await refit(llm, receiver, record)
-            verify_refit(1, sent(record), results[0]["digests"])
-            after = await engine_logprobs(llm, PROBE, "probe-1")
-            assert max_diff(after, trainer_logprobs(model, PROBE)) < 1e-3  # tied head included
-            assert max_diff(after, before) > 1e-3
+            # 1) a good refit: every tensor's digest as the loader consumed it, and the probe (tied head included)
+            record, _ = streamed(1, seed=1)
+            assert await apply_weight_record(engine, record) and engine.policy_version == 1
+            assert engine.last_weight_digests == sent(record) and max_diff(engine.last_probe[1], before) > 1e-3
             # 2) later tokens carry the new version
-            from vllm import SamplingParams
-            async for out in llm.generate({"prompt_token_ids": PROBE}, SamplingParams(max_tokens=3, temperature=0), "g"):
-                final = out
-            assert {span.version for span in final.outputs[0].weight_versions} == {"1"}
-            # 3) a refit corrupted on the way (one tensor zeroed after the digests) is caught by name
-            state2 = step(model, seed=2)
-            record2 = {**publish_weights(state2, tmp_path / "v2.safetensors", 2), **tensor_layout(state2)}
+            completion = await engine.generate("g", PROBE, SamplingParams(temperature=0.0, max_new_tokens=3))
+            assert completion.policy_versions == [1, 1, 1]
+            # 3) a streamed record is taken even when not newer (the trainer's send waits for it)
+            assert await apply_weight_record(engine, record)
+            # 4) a refit corrupted on the way (one tensor zeroed after the digests) is caught by name
+            record2, state2 = streamed(2, seed=2)
             save_file({**state2, "model.norm.weight": torch.zeros_like(state2["model.norm.weight"])},
-                      str(tmp_path / "v2.safetensors"))
-            results2 = await refit(llm, receiver, record2)
-            with pytest.raises(RuntimeError, match=r"1 tensor\(s\) differ.*model\.norm\.weight"):
-                verify_refit(2, sent(record2), results2[0]["digests"])
+                      record2["uri"].removeprefix("file://"))
+            with pytest.raises(RuntimeError, match=r"version 2 is not verified: 1 tensor\(s\) differ.*model\.norm"):
+                await apply_weight_record(engine, record2)
+            # 5) a record of another transfer, or one lacking a tensor of the model, is refused untouched
+            with pytest.raises(ValueError, match=r"v3 comes over 'nccl', but this engine takes 'molt_test_file'"):
+                await engine.receive_weights({**record, "policy_version": 3, "format": "nccl"})
+            with pytest.raises(ValueError, match=r"v3 lacks 1 tensors of the model.*model\.norm\.weight"):
+                await engine.receive_weights({**record, "policy_version": 3, "tensor_names":
+                                              [n for n in record["tensor_names"] if n != "model.norm.weight"]})
+            assert engine.policy_version == 2
         finally:
-            llm.shutdown()
-            del llm  # else AsyncLLM.__del__ shuts down again at interpreter exit, noisily
+            engine.close()
 
     asyncio.run(main())
+
+
+def test_an_engine_that_loads_files_refuses_a_streamed_record(tiny_chat_model):
+    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines.hf import TransformersEngine
+    from molt.engines.weights import apply_weight_record
+
+    record = {**record_of(small_state(), 1, **{"format": "nccl", "uri": transfer_uri(nccl())}), "probe_token_ids": []}
+    with pytest.raises(ValueError, match=r"v1 comes over 'nccl', but TransformersEngine loads files only"):
+        asyncio.run(apply_weight_record(TransformersEngine(str(tiny_chat_model)), record))
+    config = EngineConfig(type="transformers", transport={"type": "nccl"})
+    with pytest.raises(ValueError, match=r"stages\.rollout\.config\.engine\.transport\.type: 'nccl' needs CUDA"):
+        make_engine(config, str(tiny_chat_model), "stages.rollout.config.engine")
 
 
 # ---- GPU: one refit through NCCL ---------------------------------------------------------------
@@ -382,13 +415,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def publish(llm, sender, receiver, state: dict[str, torch.Tensor], sent_state: dict[str, torch.Tensor],
-                  version: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Version ``version``'s record (digests of ``state``), then trainer and engine meet in NCCL:
-    the trainer sends ``sent_state`` while the engine receives."""
-    record = record_of(state, version, **sender.record_fields(state))
-    results, _ = await asyncio.gather(refit(llm, receiver, record), asyncio.to_thread(sender.send, sent_state))
-    return record, results
+async def publish(engine, sender, state: dict[str, torch.Tensor], sent_state: dict[str, torch.Tensor],
+                  version: int, probe) -> None:
+    """Version ``version`` as the broadcast stage publishes it (record with the digests of ``state``),
+    while the engine takes it as the rollout does: trainer and engine meet in NCCL; the trainer
+    sends ``sent_state``."""
+    from molt.engines.weights import apply_weight_record, state_digests, weight_record
+
+    fields = sender.record_fields(state)
+    record = weight_record(state, version, fields["uri"], state_digests(state), probe, fields["format"])
+    await asyncio.gather(apply_weight_record(engine, record), asyncio.to_thread(sender.send, sent_state))
 
 
 @pytest.mark.gpu
@@ -401,33 +437,31 @@ def test_one_nccl_refit_from_a_trainer_gpu_to_a_vllm_engine_gpu_is_verified(defa
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from molt.engines.nccl_transfer import TRANSFER_WORKER_EXTENSION, NCCLSender, TransferReceiver
+    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines.nccl_transfer import NCCLSender
+    from molt.engines.probe import Probe
 
     transport = nccl(master_port=free_port(), num_engine_workers=1, timeout_s=300)
     check_transport(transport, WHERE)
     device = torch.device("cuda", 1)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).to(device).eval()
-    sender, receiver = NCCLSender(transport, device=device), TransferReceiver(rank_offset(0, 1), 1, digest=True)
+    sender = NCCLSender(transport, device=device)
 
     async def main() -> None:
-        llm = start_engine(default_model_dir, "nccl", TRANSFER_WORKER_EXTENSION, gpu_memory_utilization=0.3)
+        engine = make_engine(EngineConfig(transport={"type": "nccl"}, max_model_len=256, kv_cache_gib=1.0),
+                             str(default_model_dir), "stages.rollout.config.engine", replica=0)
         try:
-            before = await engine_logprobs(llm, PROBE, "probe-0")
+            before = await engine.prompt_logprobs(PROBE)
             state = step(model, seed=1)
-            record, results = await publish(llm, sender, receiver, state, state, 1)
-            verify_refit(1, sent(record), results[0]["digests"])
-            after = await engine_logprobs(llm, PROBE, "probe-1")
-            assert max_diff(after, trainer_logprobs(model, PROBE)) < 1e-2
-            assert max_diff(after, before) > 1e-3
+            await publish(engine, sender, state, state, 1, Probe(PROBE, trainer_logprobs(model, PROBE), 1e-2))
+            assert engine.policy_version == 1 and max_diff(engine.last_probe[1], before) > 1e-3
             state2 = step(model, seed=2)  # corrupted in transit: digests of state2, bytes of another
             corrupted = {**state2, "model.norm.weight": torch.zeros_like(state2["model.norm.weight"])}
-            record2, results2 = await publish(llm, sender, receiver, state2, corrupted, 2)
             with pytest.raises(RuntimeError, match=r"model\.norm\.weight"):
-                verify_refit(2, sent(record2), results2[0]["digests"])
+                await publish(engine, sender, state2, corrupted, 2, Probe(PROBE, trainer_logprobs(model, PROBE), 1e-2))
         finally:
             sender.close()
-            llm.shutdown()
-            del llm  # else AsyncLLM.__del__ shuts down again at interpreter exit, noisily
+            engine.close()
 
     asyncio.run(main())

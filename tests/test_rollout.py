@@ -221,3 +221,79 @@ def test_groups_are_sent_in_the_order_they_started_whatever_order_they_finish_in
     for finished in ([(2, "c")], [(0, "a")], [(3, None), (1, "b")], [(4, "e")]):  # group 3 failed: nothing sent
         asyncio.run(rollout._send_done(finished))
     assert sent == ["a", "b", "c", "e"] and rollout.num_sent == 5 and not rollout.finished
+
+
+class Streaming(TransformersEngine):
+    """The transformers engine taking "streamed" records (the bytes in the record's file), as a
+    VLLMEngine with a weight transfer takes nccl ones."""
+
+    streams_weights = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.received = []
+
+    async def receive_weights(self, record):
+        self.received.append(record["policy_version"])
+        await self.load_weights(record["uri"].removeprefix("file://"), record["policy_version"])
+
+
+class Inbox:
+    """An input port fed from a list: batches, then None (end of stream)."""
+
+    def __init__(self, items, log, name):
+        self.items, self.log, self.name = list(items), log, name
+
+    async def recv(self, timeout_s=None):
+        self.log.append(f"recv {self.name}")
+        return self.items.pop(0)
+
+    async def drain_nowait(self):
+        pass
+
+    def latest(self):  # as the broadcast edge: nothing waiting before the rollout has ended
+        return None
+
+
+class Outbox:
+    def __init__(self, log):
+        self.log = log
+
+    async def send(self, batch):
+        self.log.append("send out")
+
+    async def send_end(self):
+        self.log.append("end out")
+
+
+def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_until_the_broadcast_ends(
+        tiny_chat_model, tmp_path, monkeypatch):
+    """The trainer's NCCL send of the last versions waits for every engine: a rollout whose engine
+    streams weights must end ``out`` (so the last step can train) and keep taking versions."""
+    import pyarrow as pa
+
+    import stages.rollout as rollout_stage
+    from molt.engines.weights import publish_weights
+    from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
+    from molt.stage import StageContext
+    from molt.train.model import export_names, load_policy
+
+    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica: Streaming(model_dir))
+    model = load_policy(tiny_chat_model, temperature=1.0)
+    state = model.state_dict()
+    state = {hf: state[name] for name, hf in export_names(model).items()}
+    records = [batch_from_rows([{**publish_weights(state, tmp_path / f"v{v}.safetensors", v), "format": "test"}],
+                               WEIGHT_VERSION_SCHEMA) for v in (1, 2)]
+    prompts = pa.record_batch({"prompt_id": ["p0", "p1"], "metadata": [json.dumps({"prompt": "2+2?"})] * 2})
+    log: list[str] = []
+    config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,
+                                          max_new_tokens=2, weights_input=True, groups_per_step=2)
+    ctx = StageContext("rollout", inputs={"in": Inbox([prompts, None], log, "in"),
+                                          "weights": Inbox([*records, None], log, "weights")},
+                       outputs={"out": Outbox(log)})
+    stage = rollout_stage.Rollout(config, ctx)
+    stage.setup()
+    asyncio.run(stage.run())
+    assert log.index("end out") < log.index("recv weights"), "out ends before the last versions are taken"
+    assert log.count("recv weights") == 3 and stage.engine.received == [1, 2] and stage.engine.policy_version == 2
+    assert log.count("send out") == 2, "both groups sent"

@@ -322,6 +322,24 @@ def with_evaluation(spec, model):
     return spec
 
 
+def test_an_evaluation_can_take_its_weights_from_a_second_broadcast_stage(tiny_chat_model, tmp_path, no_orphans):
+    """As pipelines/gsm8k_gpu.yaml does when the rollout's refits go over NCCL: a second broadcast
+    fused into the train stage, fed by its own edge, publishes every 2nd version as a file."""
+    spec = with_evaluation(rl_pipeline(tiny_chat_model, 1), tiny_chat_model)
+    spec["stages"]["eval_broadcast"] = {"class": "stages.broadcast.Broadcast", "colocate_with": "train",
+                                        "config": {"every_steps": 2, "keep_versions": 1}}
+    spec["stages"]["eval_broadcast_sink"] = {"class": SINK}
+    spec["edges"] = [e for e in spec["edges"] if e["to"] != "evaluate.weights"] + [
+        {"from": "train", "to": "eval_broadcast"}, {"from": "eval_broadcast.out", "to": "eval_broadcast_sink"},
+        {"from": "eval_broadcast.weights", "to": "evaluate.weights", "kind": "broadcast"}]
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary.get("error")
+    evals = [r["policy_version"] for b in read_batches(tmp_path / "run" / "record" / "evaluate.out--eval_sink.in")
+             for r in b.to_pylist()]
+    assert evals == [0, 2], "the initial weights, then the second broadcast's only version"
+    assert summary["metrics"]["rollout/refit_seconds"] >= 0 and summary["metrics"]["train/policy_version"] == 2
+
+
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_rl_loop_trains_publishes_refits_and_evaluates_through_the_real_runner(
         tiny_chat_model, tmp_path, world_size, no_orphans):

@@ -23,7 +23,7 @@ import abc
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -172,6 +172,23 @@ class Engine(abc.ABC):
 
         After it returns, every later token carries `version`.
         """
+
+    @property
+    def streams_weights(self) -> bool:
+        """True when refits come streamed (`receive_weights`): the trainer's send then waits
+        for this engine, so its stage must take every version until the broadcast ends."""
+        return False
+
+    async def receive_weights(self, record: dict[str, Any]) -> None:
+        """Take the version a weight record (molt.schema.WEIGHT_VERSION_SCHEMA row) of a
+        non-file ``format`` announces, from the trainer's transfer (e.g. "nccl":
+        molt.engines.nccl_transfer); as `load_weights` otherwise.
+
+        Raises:
+            ValueError: here, for an engine that loads files only.
+        """
+        raise ValueError(f"weight record v{record['policy_version']} comes over {record['format']!r}, but "
+                         f"{type(self).__name__} loads files only; hint: use the broadcast's transport {{type: shm}}")
 
     @abc.abstractmethod
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine
+from molt.engines.transport import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
 
 
 class EngineConfig(BaseModel):
@@ -29,16 +30,31 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine shards each layer over")
     enable_expert_parallel: bool = Field(False, description="vLLM: shard a MoE's experts over the engine's GPUs "
                                          "instead of slicing each expert (vLLM's expert parallelism)")
+    transport: TransportConfig = Field(
+        default_factory=ShmTransport, description="how refits arrive: {type: shm} (files) or {type: nccl} "
+        "(vLLM's weight-transfer API; CUDA; the broadcast stage's transport must match; molt.engines.transport)")
 
 
-def make_engine(config: EngineConfig, model_dir: str) -> Engine:
-    """Start the configured engine on a local Hugging Face folder."""
+def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", replica: int = 0) -> Engine:
+    """Start the configured engine on a local Hugging Face folder; ``where`` is the YAML path of
+    ``config`` (for errors), ``replica`` the stage replica (its NCCL ranks, for ``transport: nccl``).
+
+    Raises:
+        ValueError: ``transport`` nccl without CUDA or with the transformers engine (naming the key).
+    """
+    check_transport(config.transport, f"{where}.transport")
     if config.type == "vllm":
         from molt.engines.vllm import VLLMEngine
 
+        transfer = None
+        if (backend := engine_backend(config.transport, f"{where}.transport")) is not None:
+            from molt.engines.nccl_transfer import TransferReceiver, WeightTransfer
+
+            workers = config.tensor_parallel_size
+            transfer = WeightTransfer(backend, TransferReceiver(rank_offset(replica, workers), workers))
         return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
-                          record_routing=config.record_routing,
+                          record_routing=config.record_routing, weight_transfer=transfer,
                           engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
                                          **({"tensor_parallel_size": config.tensor_parallel_size}
                                             if config.tensor_parallel_size > 1 else {}),
@@ -47,5 +63,9 @@ def make_engine(config: EngineConfig, model_dir: str) -> Engine:
     import torch
 
     from molt.engines.hf import TransformersEngine
+
+    if config.transport.type != "shm":
+        raise ValueError(f"{where}.transport.type: the transformers engine loads refits from files only; got "
+                         f"{config.transport.type!r}; hint: use {{type: shm}}")
 
     return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing)

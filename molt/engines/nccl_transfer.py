@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,7 +117,8 @@ class NCCLSender:
         if thread.is_alive():
             raise RuntimeError(f"NCCL weight transfer not taken within {self.transport.timeout_s:g} s; the "
                                f"engines did not join ({transfer_uri(self.transport)}); hint: check that every "
-                               "rollout replica has engine.transport {type: nccl} and is still reading weights")
+                               "rollout replica has engine.transport {type: nccl} and is still reading weights, and "
+                               "that num_engine_workers is the rollout's replicas x tensor_parallel_size")
         if errors:
             raise RuntimeError(f"NCCL weight transfer failed on the trainer: {errors[0]!r}") from errors[0]
         self.last_send_seconds = time.perf_counter() - start
@@ -176,6 +178,18 @@ class TransferReceiver:
         finally:
             results = await llm.collective_rpc("molt_unwatch_weights")
         return results
+
+
+@dataclass
+class WeightTransfer:
+    """How a VLLMEngine takes refits over vLLM's weight-transfer API: vLLM's
+    ``weight_transfer_config.backend`` ("nccl"), the receiver that acts on each record, and
+    the worker extension (it must subclass MoltTransferWorkerExtension; a test backend
+    names its own so that vLLM's workers import and register it)."""
+
+    backend: str
+    receiver: TransferReceiver
+    worker_extension: str = TRANSFER_WORKER_EXTENSION
 
 
 def watching_loader(load: Callable[[Weights], Any], digests: dict[str, str],

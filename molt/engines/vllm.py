@@ -10,13 +10,17 @@ Logprobs: the engine is started with `logprobs_mode="processed_logprobs"` and
 each request asks for `logprobs=0`, so the recorded logprob of each token is
 `log_softmax(logits / temperature)[token]`, the distribution actually sampled.
 
-Refit (`load_weights`), at a safe point between decode steps:
+Refit (`load_weights` from a file, `receive_weights` over vLLM's weight-transfer
+API), at a safe point between decode steps:
   1) pause the scheduler, keeping in-flight requests and their KV cache
      (`pause_generation(mode="keep")`);
   2) every worker runs `MoltWorkerExtension.molt_load_weights(path)`, which
      streams the safetensors file into vLLM's in-place `reload_weights` and
      returns a digest per tensor (kept in `last_weight_digests`), then
      repacks layers whose weights are tied to a reloaded one (the lm_head);
+     or, for a record of format "nccl", the engine's `WeightTransfer` receiver
+     takes the trainer's broadcast (molt.engines.nccl_transfer; unverified on GPUs),
+     its workers digesting each tensor as the model's loader consumes it;
   3) label later engine outputs with the new version (vLLM tracks the label
      per output token and returns spans, which become `policy_versions`);
   4) clear the prefix cache if nothing is in flight (and a VLM's encoder cache of image
@@ -40,7 +44,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,11 +52,14 @@ import numpy as np
 from safetensors import safe_open
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
+from molt.engines.transport import check_covers
 from molt.engines.weights import check_weights_file, file_digests
 from molt.multimodal import VisionProcessor, decode_images
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
+
+    from molt.engines.nccl_transfer import WeightTransfer
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.outputs import WeightVersionSpan
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,6 +93,8 @@ class VLLMEngine(Engine):
             model runner; unverified: not yet run on a GPU).
         max_images: most images in one prompt of a vision-language model (vLLM's
             ``limit_mm_per_prompt``; ignored for a text-only model).
+        weight_transfer: take refits over vLLM's weight-transfer API (`receive_weights`);
+            None: from files only (`load_weights`).
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
@@ -93,6 +102,7 @@ class VLLMEngine(Engine):
                  max_model_len: int = 2048, max_num_seqs: int = 256, kv_cache_gib: float = 2.0,
                  seed: int = 0, enforce_eager: bool = True, verify_weights: bool = True,
                  record_routing: bool = False, max_images: int = 4,
+                 weight_transfer: WeightTransfer | None = None,
                  engine_kwargs: dict[str, Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -106,11 +116,15 @@ class VLLMEngine(Engine):
         if self._native_routing:  # vLLM returns routed experts only from its V2 model runner
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             engine_kwargs = {**(engine_kwargs or {}), "enable_return_routed_experts": True}
+        self._transfer = weight_transfer
+        if weight_transfer is not None:
+            engine_kwargs = {**(engine_kwargs or {}), "weight_transfer_config": {"backend": weight_transfer.backend}}
         args = AsyncEngineArgs(
             model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=weight_transfer.worker_extension if weight_transfer else WORKER_EXTENSION,
             generation_config="vllm",  # ignore the model's sampling defaults
             disable_log_stats=True, **(engine_kwargs or {}))
         start = time.perf_counter()
@@ -299,16 +313,48 @@ class VLLMEngine(Engine):
                 the model's own checkpoint has.
             RuntimeError: if workers report different digests.
         """
-        llm = self._check_open()
         check_weights_file(path)
-        self._check_names(path)
+        with safe_open(path, framework="pt") as handle:
+            names = set(handle.keys())
+        missing = sorted(self._checkpoint_names() - names)
+        if missing:  # vLLM's reload only warns about weights it did not receive: stale weights stay
+            raise ValueError(f"weights file lacks {len(missing)} tensors of the model; got a "
+                             f"file without {missing[:3]}; hint: export the full state dict")
+        await self._refit(version, path, lambda llm: llm.collective_rpc(
+            "molt_load_weights", args=(path, self._verify_weights)))
+
+    @property
+    def streams_weights(self) -> bool:
+        return self._transfer is not None
+
+    async def receive_weights(self, record: dict[str, Any]) -> None:
+        """Take the version a weight record of the engine's transfer format ("nccl")
+        announces over vLLM's weight-transfer API, while the trainer sends it (module docstring).
+
+        Raises:
+            ValueError: if the engine was started without ``weight_transfer``, or the
+                record lacks tensors of the model's checkpoint (nothing is touched).
+            RuntimeError: if workers report different digests, or vLLM's transfer failed.
+        """
+        if self._transfer is None or record["format"] != self._transfer.backend:
+            takes = "files only" if self._transfer is None else repr(self._transfer.backend)
+            raise ValueError(f"weight record v{record['policy_version']} comes over {record['format']!r}, but this "
+                             f"engine takes {takes}; hint: set the engine's transport to the broadcast stage's")
+        check_covers(self._checkpoint_names(), record)
+        receiver = self._transfer.receiver
+        await self._refit(int(record["policy_version"]), record["uri"], lambda llm: receiver.receive(llm, record))
+
+    async def _refit(self, version: int, source: str,
+                     transfer: Callable[[AsyncLLM], Awaitable[list[dict[str, Any]]]]) -> None:
+        """Steps 1-4 of a refit (module docstring); ``transfer`` is step 2, returning each worker's
+        {"digests": name -> tensor_digest, ...}."""
+        llm = self._check_open()
         async with self._load_lock:
             start = time.perf_counter()
-            # 1) pause  2) reload in every worker  3) relabel  4) clear cache, resume
+            # 1) pause  2) transfer into every worker  3) relabel  4) clear cache, resume
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                results = await llm.collective_rpc(
-                    "molt_load_weights", args=(path, self._verify_weights))
+                results = await transfer(llm)
                 await llm.update_weight_version(str(version))
                 self._version = version
                 if self.vision is not None:  # image features of the old weights: the workers dropped theirs
@@ -321,24 +367,15 @@ class VLLMEngine(Engine):
             self.last_load_seconds = time.perf_counter() - start
             self.last_weight_digests = _same_digests(results)
             self.last_probe = None  # it described the previous weights
-        logger.info("loaded weights version %d from %s in %.2f s", version, path,
-                    self.last_load_seconds)
+        logger.info("loaded weights version %d from %s in %.2f s", version, source, self.last_load_seconds)
 
-    def _check_names(self, path: str) -> None:
-        """Refuse a file missing tensors that the model folder's checkpoint has.
-
-        vLLM's reload only warns about weights it did not receive, which would
-        leave stale weights in place; this checks names before loading.
-        """
-        expected: set[str] = set()
+    def _checkpoint_names(self) -> set[str]:
+        """Tensor names of the model folder's checkpoint (every one a refit must cover)."""
+        names: set[str] = set()
         for shard in self._model_dir.glob("*.safetensors"):
             with safe_open(str(shard), framework="pt") as handle:
-                expected.update(handle.keys())
-        with safe_open(path, framework="pt") as handle:
-            missing = sorted(expected - set(handle.keys()))
-        if missing:
-            raise ValueError(f"weights file lacks {len(missing)} tensors of the model; got a "
-                             f"file without {missing[:3]}; hint: export the full state dict")
+                names.update(handle.keys())
+        return names
 
     def close(self) -> None:
         """Shut down vLLM's engine core; idempotent."""

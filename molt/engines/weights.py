@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 import xxhash
 from safetensors import safe_open
@@ -123,6 +124,10 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
        unless the weights are identical to those the engine held. A record without a
        probe (empty ``probe_token_ids``) skips step 3 with a warning.
 
+    A streamed record (format other than "safetensors", e.g. "nccl") goes to
+    `Engine.receive_weights` and is never skipped, even when not newer: the trainer's
+    collective send waits for every engine.
+
     Returns True when a refit happened.
 
     Raises:
@@ -130,12 +135,16 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
             the version, the largest difference and its position).
     """
     version = int(record["policy_version"])
-    if version <= engine.policy_version:
+    streamed = record.get("format", "safetensors") != "safetensors"  # the trainer is sending it: take it
+    if version <= engine.policy_version and not streamed:
         return False
     probe = _record_probe(record)
     before = await _probe_before(engine, probe)
     held = dict(engine.last_weight_digests)  # {} until the first refit
-    await engine.load_weights(record["uri"].removeprefix("file://"), version)
+    if streamed:
+        await engine.receive_weights(record)
+    else:
+        await engine.load_weights(record["uri"].removeprefix("file://"), version)
     sent = dict(zip(record["tensor_names"], record["tensor_digests"]))
     verify_refit(version, sent, engine.last_weight_digests)
     if probe is None:
@@ -147,6 +156,19 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
         check_probe_changed(version, before, after, _same_weights(sent, held or engine.source_weight_digests()))
     engine.last_probe = (probe.token_ids, after)
     return True
+
+
+async def refit_from(engine: Engine, port: Any, item: Any = None) -> float | None:
+    """`apply_weight_record` of ``item`` if it is a record batch, else (``item`` None) of the
+    newest one waiting on broadcast input ``port`` (molt.ports.InputPort); the seconds it took,
+    or None if there was nothing newer to apply."""
+    if item is None:
+        await port.drain_nowait()
+        item = port.latest()
+    start = time.monotonic()
+    if isinstance(item, pa.RecordBatch) and await apply_weight_record(engine, item.to_pylist()[-1]):
+        return time.monotonic() - start
+    return None
 
 
 def _record_probe(record: dict[str, Any]) -> Probe | None:
@@ -171,12 +193,26 @@ def _same_weights(sent: dict[str, str], held: dict[str, str]) -> bool:
     return bool(held) and all(held.get(name) == digest for name, digest in sent.items())
 
 
+def weight_record(state: dict[str, torch.Tensor], version: int, uri: str, digests: dict[str, str],
+                  probe: Probe | None = None, format: str = "safetensors") -> dict[str, Any]:
+    """The weight-version record (a molt.schema.WEIGHT_VERSION_SCHEMA row) announcing ``state``
+    (HF names -> tensors) as version ``version`` at ``uri``, with each tensor's ``digests``
+    (`tensor_digest`, in ``state`` order), dtype and shape, and the trainer's ``probe``
+    (None: a record without a probe)."""
+    from molt.engines.transport import tensor_layout
+
+    assert list(digests) == list(state), "one digest per tensor, in state order"
+    return {"policy_version": version, "uri": uri, "format": format,
+            "num_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "tensor_names": list(digests), "tensor_digests": list(digests.values()), **tensor_layout(state),
+            "probe_token_ids": probe.token_ids if probe else [], "probe_logprobs": probe.logprobs if probe else [],
+            "probe_atol": probe.atol if probe else None, "created_unix_s": time.time()}
+
+
 def publish_weights(state: dict[str, torch.Tensor], path: Path, version: int,
                     probe: Probe | None = None) -> dict[str, Any]:
     """Write ``state`` (HF names -> tensors) as one safetensors file at ``path``
-    atomically (temp name, then rename) and return its weight-version record
-    (a molt.schema.WEIGHT_VERSION_SCHEMA row) with every tensor's digest and the
-    trainer's ``probe`` (None: a record without a probe).
+    atomically (temp name, then rename) and return its `weight_record`.
 
     The digests are computed from the tensors in memory (what the trainer meant to
     send, not what reached the file), in a thread that overlaps the write.
@@ -185,12 +221,13 @@ def publish_weights(state: dict[str, torch.Tensor], path: Path, version: int,
 
     tmp = path.with_suffix(".tmp")
     with ThreadPoolExecutor(1, thread_name_prefix="molt-digest") as pool:
-        digesting = pool.submit(lambda: {name: tensor_digest(t) for name, t in state.items()})
+        digesting = pool.submit(state_digests, state)
         save_file(state, str(tmp), metadata={"format": "pt", "policy_version": str(version)})
         os.replace(tmp, path)
         digests = digesting.result()
-    return {"policy_version": version, "uri": f"file://{path}", "format": "safetensors",
-            "num_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-            "tensor_names": list(digests), "tensor_digests": list(digests.values()),
-            "probe_token_ids": probe.token_ids if probe else [], "probe_logprobs": probe.logprobs if probe else [],
-            "probe_atol": probe.atol if probe else None, "created_unix_s": time.time()}
+    return weight_record(state, version, f"file://{path}", digests, probe)
+
+
+def state_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> `tensor_digest` of every tensor of ``state``, in its order."""
+    return {name: tensor_digest(tensor) for name, tensor in state.items()}

@@ -116,7 +116,8 @@ class Learner(Service):
             await self.send("out", item)
             await self.send("weights", batch_from_rows([{
                 "policy_version": self.version, "uri": "file:///dev/null", "format": "safetensors",
-                "num_bytes": 0, "tensor_names": [], "tensor_digests": [], "probe_token_ids": [], "probe_logprobs": [],
+                "num_bytes": 0, "tensor_names": [], "tensor_digests": [], "tensor_dtypes": [], "tensor_shapes": [],
+                "probe_token_ids": [], "probe_logprobs": [],
                 "probe_atol": None, "created_unix_s": time.time()}],
                 WEIGHT_VERSION_SCHEMA))
 
@@ -277,7 +278,7 @@ class SlowTrainer(Service):
             await self.send("weights", batch_from_rows([{
                 "policy_version": step, "uri": f"file://{self.config.weights_path}", "format": "safetensors",
                 "num_bytes": 0, "tensor_names": list(digests), "tensor_digests": list(digests.values()),
-                "probe_token_ids": [], "probe_logprobs": [], "probe_atol": None,
+                "tensor_dtypes": [], "tensor_shapes": [], "probe_token_ids": [], "probe_logprobs": [], "probe_atol": None,
                 "created_unix_s": time.time()}], WEIGHT_VERSION_SCHEMA))
         for b in groups:
             await self.send("out", b)
