@@ -88,6 +88,7 @@ class Broadcast(Service):
                 Path(self.config.dir).mkdir(parents=True, exist_ok=True)
                 self.folder = Path(tempfile.mkdtemp(prefix="molt-weights-", dir=self.config.dir))
         self.written: list[Path] = []
+        self.probe_seconds = 0.0  # the last trainer probe's forward
         if self.config.probe_tokens < 2:
             self.log.warning("probe_tokens < 2: no refit probe; refits are verified by tensor digests only")
 
@@ -114,9 +115,8 @@ class Broadcast(Service):
                              "process; hint: set colocate_with and train_stage to the train stage's id")
         start = time.monotonic()
         state = full_state_dict(self.handle.model)
-        probe_start = time.monotonic()
-        probe, probe_seconds = self._probe(), time.monotonic() - probe_start
         if self.ctx.rank > 0:  # ranks > 0 only take part in the gather and the probe
+            self._probe()
             return
         if isinstance(transport := self.config.transport, NCCLTransport):
             # 1) the record tells the engines what comes  2) they meet the send in NCCL
@@ -125,28 +125,33 @@ class Broadcast(Service):
 
                 self.sender = NCCLSender(transport)
             fields = self.sender.record_fields(state)
-            record = weight_record(state, version, fields["uri"], state_digests(state), probe, fields["format"])
+            record = weight_record(state, version, fields["uri"], state_digests(state), self._probe(), fields["format"])
             await self.send("weights", batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
             await asyncio.to_thread(self.sender.send, state)
         else:
             assert self.folder is not None, "rank 0 of shm has a folder"
-            record = publish_weights(state, self.folder / f"policy_v{version}.safetensors", version, probe)
+            path = self.folder / f"policy_v{version}.safetensors"
+            record = publish_weights(state, path, version, self._probe)  # the probe's forward overlaps the write
             self._prune(Path(record["uri"].removeprefix("file://")))
             await self.send("weights", batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
         self.log.info("published version %d: %d tensors, %.1f MB in %.2fs (probe %.2fs)", version, len(state),
-                      record["num_bytes"] / 1e6, time.monotonic() - start, probe_seconds)
+                      record["num_bytes"] / 1e6, time.monotonic() - start, self.probe_seconds)
         self.handle.export_seconds = time.monotonic() - start
-        self.metrics.log({"export_seconds": self.handle.export_seconds, "probe_seconds": probe_seconds,
+        self.metrics.log({"export_seconds": self.handle.export_seconds, "probe_seconds": self.probe_seconds,
                           "policy_version": version}, step=version)
 
     def _probe(self) -> Probe | None:
-        """The trainer's refit probe of the new weights: a forward, so a collective (all ranks)."""
+        """The trainer's refit probe of the new weights: a forward, so a collective (all ranks);
+        its duration in ``probe_seconds``."""
+        start, self.probe_seconds = time.monotonic(), 0.0
         if self.config.probe_tokens < 2:
             return None
         model = self.handle.model  # a VLM: text tokens below its image token (molt.models.vlm appends it last)
         vocab = model.lm.config.get_text_config().vocab_size
         ids = probe_token_ids(min(vocab, model.vision.image_token_id) if model.vision else vocab, self.config.probe_tokens)
-        return policy_probe(self.handle.model, ids, self.config.probe_atol)
+        probe = policy_probe(self.handle.model, ids, self.config.probe_atol)
+        self.probe_seconds = time.monotonic() - start
+        return probe
 
     def _prune(self, newest: Path) -> None:
         self.written.append(newest)
