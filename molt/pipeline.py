@@ -107,7 +107,11 @@ class PipelineSpec(BaseModel):
     name: str = "pipeline"
     run_dir: str | None = None
     transport: Literal["ipc", "tcp"] = "ipc"
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="the interface tcp edges bind to (loopback unless set)")
+    curve: bool = Field(True, description="tcp edges: CURVE authentication and encryption with per-run keys "
+                        "(molt.curve); false = plaintext, which any peer reaching the ports can read and inject into")
+    curve_keys: str | None = Field(None, description="JSON file of the CURVE keys to use (as RUN_DIR/keys/curve.json); "
+                                   "None = generated for each run")
     ready_timeout_s: float = Field(120.0, gt=0)
     stop_timeout_s: float = Field(10.0, gt=0)
     keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")

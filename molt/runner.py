@@ -51,6 +51,7 @@ import psutil
 import yaml
 
 from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
+from molt.curve import CurveKeys
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
 from molt.progress import Progress
@@ -65,6 +66,14 @@ def make_wiring(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
     if len(str(sock_dir)) > 80:  # ipc:// paths are limited to ~107 bytes
         digest = hashlib.sha1(str(sock_dir).encode()).hexdigest()[:10]
         sock_dir = Path(tempfile.gettempdir()) / f"molt-{digest}"
+    curve = None  # the keys file of CURVE tcp edges (molt.curve)
+    if pipe.spec.transport == "tcp" and pipe.spec.curve:
+        keys = CurveKeys.read(pipe.spec.curve_keys) if pipe.spec.curve_keys else CurveKeys.generate()
+        keys.write(run_dir.resolve() / "keys" / "curve.json")
+        curve = str(run_dir.resolve() / "keys" / "curve.json")
+    elif pipe.spec.transport == "tcp":
+        log.warning("tcp edges without CURVE (curve: false): any peer that reaches %s can read and inject batches",
+                    pipe.spec.host)
     wiring = {}
     for e in pipe.edges:
         src, dst = pipe.stages[e.src], pipe.stages[e.dst]
@@ -78,7 +87,7 @@ def make_wiring(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
             endpoints = [f"tcp://{pipe.spec.host}:{_free_port(pipe.spec.host)}" for _ in range(num_producers)]
         else:
             endpoints = [f"ipc://{sock_dir}/e{e.index}.{i}" for i in range(num_producers)]
-        wiring[e.name] = {"endpoints": endpoints, "inproc": inproc,
+        wiring[e.name] = {"endpoints": endpoints, "inproc": inproc, "curve": None if inproc else curve,
                           "consumers": [f"{e.dst}.{j}" for j in range(num_consumers)]}
     return wiring
 

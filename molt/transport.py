@@ -13,7 +13,7 @@ H     hello        JSON ``{"consumer": id, "credits": n}`` (consumer -> producer
 C     credit       ASCII integer n: the consumer can take n more batches
 ====  ===========  =========================================================
 
-Nothing is pickled. Sockets: every producer replica binds one ROUTER per edge;
+Nothing is pickled. ``tcp://`` edges run over CURVE with per-run keys (molt.curve). Sockets: every producer replica binds one ROUTER per edge;
 every consumer replica connects one DEALER per producer replica, with identity
 ``"{stage}.{replica}"``, and opens with a hello carrying its initial credits. A
 producer sends a data message to a consumer only while it holds a credit from it
@@ -42,6 +42,7 @@ import pyarrow as pa
 import zmq
 import zmq.asyncio
 
+from molt.curve import make_client, make_server, run_keys
 from molt.schema import schema_diff
 
 DATA, END, ERROR, BARRIER, HELLO, CREDIT = b"D", b"E", b"X", b"B", b"H", b"C"
@@ -75,6 +76,7 @@ class EdgeSpec:
     endpoints: one per producer replica, ``ipc://``, ``tcp://`` or ``inproc://``.
     consumers: the consumer replica ids, ``"{stage}.{replica}"``.
     capacity: credits each consumer grants each producer (batches in flight).
+    curve: the run's CURVE keys file (molt.curve) for a ``tcp://`` edge; None: plaintext.
     """
 
     name: str
@@ -86,6 +88,7 @@ class EdgeSpec:
     capacity: int = 4
     hwm: int = 64
     ready_timeout_s: float = 120.0
+    curve: str | None = None
 
 
 class SendBuffers:
@@ -188,6 +191,8 @@ class OutputEdge:
         # right after its last send dropped it, and a subscriber waited forever), short for departed ones
         self.sock.setsockopt(zmq.LINGER, 5_000 if spec.kind == "broadcast" else 30_000)
         endpoint = spec.endpoints[replica]
+        if spec.curve is not None:
+            make_server(self.sock, run_keys(spec.curve))
         if endpoint.startswith("ipc://"):
             Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
         self.sock.bind(endpoint)
@@ -323,6 +328,8 @@ class InputEdge:
             s.setsockopt(zmq.RCVHWM, spec.hwm)
             s.setsockopt(zmq.SNDHWM, spec.hwm)
             s.setsockopt(zmq.LINGER, 0)
+            if spec.curve is not None:
+                make_client(s, run_keys(spec.curve))
             s.connect(endpoint)
             self.socks.append(s)
 

@@ -33,6 +33,7 @@ import pyarrow as pa
 import zmq.asyncio
 
 from molt.checkpoint import read_replica_state
+from molt.curve import run_keys, start_authenticator
 from molt.metrics import MetricsWriter
 from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
@@ -54,7 +55,7 @@ def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: i
         endpoints, consumers, replica = (endpoints[replica],), (consumers[replica],), 0
     assert edge.schema is not None
     spec = EdgeSpec(edge_name, edge.cfg.kind, endpoints, consumers, edge.schema, edge.cfg.key,
-                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s)
+                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"))
     return spec, replica
 
 
@@ -179,6 +180,8 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         group = dist.new_group(backend="gloo")
     zctx = zmq.asyncio.Context()
+    keys = next((w["curve"] for w in wiring.values() if w.get("curve")), None)
+    auth = start_authenticator(zctx, run_keys(keys)) if keys else None  # before any CURVE server binds
     nodes = [pipe.stages[stage_id]] + [n for n in pipe.stages.values() if n.colocate_with == stage_id]
     stages = [build_stage(pipe, wiring, n, replica, run_dir, zctx, rank, world_size, group) for n in nodes]
     try:
@@ -197,6 +200,8 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
             ports: list[Any] = [*s.ctx.inputs.values(), *s.ctx.outputs.values()]
             for p in ports:
                 p.close()
+        if auth is not None:
+            auth.stop()
         zctx.term()
 
 

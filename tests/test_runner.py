@@ -157,15 +157,26 @@ def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, n
     assert total["recorded"] == {"total.out->sink.in": 2}, "rank 0 had recorded two batches at barrier 2"
 
 
-def test_tcp_edges_bind_to_loopback(tmp_path, no_orphans):
+def test_tcp_edges_bind_to_loopback_and_run_over_curve_with_the_runs_keys(tmp_path, no_orphans):
+    from molt.curve import CurveKeys
+
     spec = chain(("shape", "stages.shape_reward.ShapeReward", {"replicas": 2}), record_last=True, num_groups=6)
     spec["transport"] = "tcp"
+    given = tmp_path / "given.json"
+    CurveKeys.generate().write(given)
+    spec["curve_keys"] = str(given)
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 0, summary["error"]
     wiring = json.loads((tmp_path / "run" / "wiring.json").read_text())
     endpoints = [ep for w in wiring.values() for ep in w["endpoints"]]
     assert endpoints and all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints)
+    keys = tmp_path / "run" / "keys" / "curve.json"
+    assert {w["curve"] for w in wiring.values()} == {str(keys.resolve())} and "secret" not in json.dumps(wiring)
+    assert CurveKeys.read(keys) == CurveKeys.read(given) and keys.stat().st_mode & 0o077 == 0
     assert len(recorded_rows(tmp_path / "run", "shape.out--sink.in")) == 24
+    (tmp_path / "bad.json").write_text('{"server_public": "short"}')
+    with pytest.raises(ValueError, match=r"bad\.json: CURVE keys \['server_public', 'server_secret'"):
+        CurveKeys.read(tmp_path / "bad.json")
 
 
 def test_a_stage_runs_on_its_cpus_and_results_reach_the_summary(tmp_path, no_orphans):

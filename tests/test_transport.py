@@ -272,3 +272,72 @@ def test_the_in_process_edge_is_the_same_code_over_inproc(zctx):
 
     got = asyncio.run(main())
     assert [x for b in got for x in b.column("x").to_pylist()] == list(range(10))
+
+
+def free_tcp_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_curve_edge_delivers_and_a_peer_without_the_run_keys_can_neither_read_nor_inject(zctx, tmp_path):
+    """tcp:// with CURVE (molt.curve): the run's consumer gets the batch; a consumer with other keys,
+    or none, is never admitted (its hello never reaches the producer); a producer without the server
+    secret cannot deliver a batch to the run's consumer."""
+    from molt.curve import CurveKeys, make_client, run_keys, start_authenticator
+
+    keys_file = tmp_path / "keys" / "curve.json"
+    CurveKeys.generate().write(keys_file)
+    assert oct(keys_file.stat().st_mode & 0o777) == "0o600"
+    keys = run_keys(str(keys_file))
+    s = EdgeSpec("p.out->c.in", "stream", (free_tcp_endpoint(),), ("c.0", "evil"), SCHEMA, "prompt_id", 4, 64,
+                 1.5, curve=str(keys_file))
+    hello = [b"H", json.dumps({"consumer": "evil", "credits": 4}).encode()]
+
+    async def main():
+        auth = start_authenticator(zctx, keys)
+        try:
+            out = OutputPort(zctx, "out", [(s, 0)], "p.0")
+            inp = InputPort(zctx, "in", [s], "c.0")
+            await inp.start()
+            other, plain = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+            make_client(other, CurveKeys(keys.server_public, keys.server_secret, *(k.decode() for k in
+                                                                                   zmq.curve_keypair())))
+            for rogue in (other, plain):  # both say hello as consumer "evil"
+                rogue.setsockopt(zmq.IDENTITY, b"evil")
+                rogue.setsockopt(zmq.LINGER, 0)
+                rogue.connect(s.endpoints[0])
+                await rogue.send_multipart(hello)
+            with pytest.raises(TimeoutError, match=r"no hello from consumer\(s\) \['evil'\]"):
+                await out.wait_ready()  # the run's consumer said hello; neither rogue got through
+            assert set(out.edges[0].credits) == {"c.0"}
+            await out.edges[0].send_data(batch(["g0"], [7]), None, out.buffers)
+            got = await inp.recv(timeout_s=5)
+            assert got.column("x").to_pylist() == [7]
+            for p, r in ((out, other), (inp, plain)):
+                p.close(), r.close()
+            # a rogue producer on the consumer's endpoint: its own server keys, then none
+            for rogue_keys in (CurveKeys.generate(), None):
+                endpoint = free_tcp_endpoint()
+                rogue = zctx.socket(zmq.ROUTER)
+                rogue.setsockopt(zmq.LINGER, 0)
+                if rogue_keys is not None:
+                    from molt.curve import make_server
+                    make_server(rogue, rogue_keys)
+                rogue.bind(endpoint)
+                victim = InputPort(zctx, "in", [EdgeSpec("p.out->c.in", "stream", (endpoint,), ("c.0",), SCHEMA,
+                                                         curve=str(keys_file))], "c.0")
+                await victim.start()
+                await asyncio.sleep(0.5)
+                with pytest.raises(zmq.ZMQError):  # no such peer: the handshake never completed
+                    rogue.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                    await rogue.send_multipart([b"c.0", DATA, encode_batch(batch(["x"], [666]))])
+                with pytest.raises(TimeoutError):
+                    await victim.recv(timeout_s=1.0)
+                victim.close(), rogue.close()
+        finally:
+            auth.stop()
+
+    asyncio.run(main())
