@@ -58,11 +58,11 @@ from molt.multimodal import VisionProcessor, decode_images
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
-
-    from molt.engines.nccl_transfer import WeightTransfer
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.outputs import WeightVersionSpan
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from molt.engines.nccl_transfer import WeightTransfer
 
 logger = logging.getLogger(__name__)
 
