@@ -263,7 +263,9 @@ class Runner:
         status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
         metrics = progress.summary()
         results = {name: metrics.get(key) for name, key in self.pipe.spec.results.items()}
-        history = {name: progress.history[key] for name, key in self.pipe.spec.results.items()}
+        # replicas' metric files are read one after another: order each history by time
+        history = {name: sorted(progress.history[key], key=lambda tv: tv[0])
+                   for name, key in self.pipe.spec.results.items()}
         summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
                    "error": failure.get("error"), "results": results, "results_history": history,
                    "metrics": metrics}
