@@ -10,17 +10,15 @@ Logprobs: the engine is started with `logprobs_mode="processed_logprobs"` and
 each request asks for `logprobs=0`, so the recorded logprob of each token is
 `log_softmax(logits / temperature)[token]`, the distribution actually sampled.
 
-Refit (`load_weights` from a file, `receive_weights` over vLLM's weight-transfer
-API), at a safe point between decode steps:
+Refit, at a safe point between decode steps:
   1) pause the scheduler, keeping in-flight requests and their KV cache
      (`pause_generation(mode="keep")`);
   2) every worker runs `MoltWorkerExtension.molt_load_weights(path)`, which
      streams the safetensors file into vLLM's in-place `reload_weights` and
      returns a digest per tensor (kept in `last_weight_digests`), then
      repacks layers whose weights are tied to a reloaded one (the lm_head);
-     or, for a record of format "nccl", the engine's `WeightTransfer` receiver
-     takes the trainer's broadcast (molt.engines.nccl_transfer; unverified on GPUs),
-     its workers digesting each tensor as the model's loader consumes it;
+     or (`receive_weights`, format "nccl") its `WeightTransfer` receiver takes the
+     trainer's broadcast, digested alike (molt.engines.nccl_transfer; unverified on GPUs);
   3) label later engine outputs with the new version (vLLM tracks the label
      per output token and returns spans, which become `policy_versions`);
   4) clear the prefix cache if nothing is in flight (and a VLM's encoder cache of image
@@ -41,6 +39,7 @@ replaying recorded trajectories or from the transformers engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -314,12 +313,8 @@ class VLLMEngine(Engine):
             RuntimeError: if workers report different digests.
         """
         check_weights_file(path)
-        with safe_open(path, framework="pt") as handle:
-            names = set(handle.keys())
-        missing = sorted(self._checkpoint_names() - names)
-        if missing:  # vLLM's reload only warns about weights it did not receive: stale weights stay
-            raise ValueError(f"weights file lacks {len(missing)} tensors of the model; got a "
-                             f"file without {missing[:3]}; hint: export the full state dict")
+        with safe_open(path, framework="pt") as handle:  # vLLM's reload only warns about missing weights
+            check_covers(self._checkpoint_names, {"policy_version": version, "tensor_names": list(handle.keys())})
         await self._refit(version, path, lambda llm: llm.collective_rpc(
             "molt_load_weights", args=(path, self._verify_weights)))
 
@@ -328,8 +323,8 @@ class VLLMEngine(Engine):
         return self._transfer is not None
 
     async def receive_weights(self, record: dict[str, Any]) -> None:
-        """Take the version a weight record of the engine's transfer format ("nccl")
-        announces over vLLM's weight-transfer API, while the trainer sends it (module docstring).
+        """Take the version a record of the engine's transfer format ("nccl") announces, as the trainer
+        sends it over vLLM's weight-transfer API (module docstring).
 
         Raises:
             ValueError: if the engine was started without ``weight_transfer``, or the
@@ -340,7 +335,7 @@ class VLLMEngine(Engine):
             takes = "files only" if self._transfer is None else repr(self._transfer.backend)
             raise ValueError(f"weight record v{record['policy_version']} comes over {record['format']!r}, but this "
                              f"engine takes {takes}; hint: set the engine's transport to the broadcast stage's")
-        check_covers(self._checkpoint_names(), record)
+        check_covers(self._checkpoint_names, record)
         receiver = self._transfer.receiver
         await self._refit(int(record["policy_version"]), record["uri"], lambda llm: receiver.receive(llm, record))
 
@@ -369,8 +364,9 @@ class VLLMEngine(Engine):
             self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s in %.2f s", version, source, self.last_load_seconds)
 
+    @functools.cached_property
     def _checkpoint_names(self) -> set[str]:
-        """Tensor names of the model folder's checkpoint (every one a refit must cover)."""
+        """Tensor names of the model folder's checkpoint (every one a refit must cover; read once)."""
         names: set[str] = set()
         for shard in self._model_dir.glob("*.safetensors"):
             with safe_open(str(shard), framework="pt") as handle:
