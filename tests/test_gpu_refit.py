@@ -114,6 +114,10 @@ def test_each_engine_joins_at_its_own_rank_from_the_records_uri():
         worker_init_info(uri, rank_offset(2, 2), 2)
     with pytest.raises(ValueError, match="uri must be nccl://"):
         worker_init_info("file:///dev/shm/policy_v1.safetensors", 1, 1)
+    # 'auto': engines on other hosts reach the trainer at its host's routable address (Ray's choice too)
+    auto = worker_init_info(transfer_uri(nccl(master_address="auto")), 1, 1)["master_address"]
+    ray = pytest.importorskip("ray")
+    assert auto == ray.util.get_node_ip_address() and auto != "auto"
 
 
 def test_a_record_lacking_a_tensor_of_the_model_is_refused():

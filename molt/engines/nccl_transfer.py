@@ -43,7 +43,8 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from molt.engines.transport import NCCLTransport, tensor_layout, transfer_uri, update_info, worker_init_info
+from molt.engines.transport import (NCCLTransport, master_address, tensor_layout, transfer_uri, update_info,
+                                   worker_init_info)
 from molt.engines.vllm_worker import MoltWorkerExtension, tied_unloaded_layers
 from molt.engines.weights import tensor_digest
 
@@ -129,7 +130,7 @@ class NCCLSender:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         t = self.transport
-        info = NCCLTrainerInitInfo(t.master_address, t.master_port, world_size=t.num_engine_workers + 1, rank=0,
+        info = NCCLTrainerInitInfo(master_address(t), t.master_port, world_size=t.num_engine_workers + 1, rank=0,
                                    packed=t.packed, packed_buffer_size_bytes=t.buffer_mib * 2**20,
                                    packed_num_buffers=t.num_buffers)
         return WeightTransferTrainerFactory.trainer_init(info, client=RecordDrivenClient(), source=self.source)

@@ -16,6 +16,7 @@ worker rank 1, replica 1's rank 2. Pure: no vLLM or CUDA needed.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
@@ -37,7 +38,8 @@ class NCCLTransport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["nccl"]
-    master_address: str = Field("127.0.0.1", description="address of the trainer's rank 0 (rendezvous TCPStore)")
+    master_address: str = Field("127.0.0.1", description="address of the trainer's rank 0 (rendezvous TCPStore); "
+                                "'auto': its host's address on the default route, for engines on other hosts")
     master_port: int = Field(29551, ge=1024, le=65535, description="free TCP port; one per run on a host")
     num_engine_workers: int = Field(1, ge=1, description="workers of all rollout replicas (replicas x TP x PP x DP)")
     packed: bool = Field(True, description="pack tensors into fixed-size chunks (vLLM's default for trainers)")
@@ -82,9 +84,23 @@ def engine_backend(transport: AnyTransport, where: str) -> str | None:
     return transport.type
 
 
+def master_address(transport: NCCLTransport) -> str:
+    """``master_address``, with 'auto' resolved to this host's address on its default route (the
+    source address of a UDP socket connected towards a private address: no packet is sent),
+    loopback on a host without one."""
+    if transport.master_address != "auto":
+        return transport.master_address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
 def transfer_uri(transport: NCCLTransport) -> str:
     """The record's ``uri``: rendezvous and wire parameters (module docstring)."""
-    return (f"nccl://{transport.master_address}:{transport.master_port}?world_size={transport.num_engine_workers + 1}"
+    return (f"nccl://{master_address(transport)}:{transport.master_port}?world_size={transport.num_engine_workers + 1}"
             f"&packed={int(transport.packed)}&buffer_bytes={transport.buffer_mib * 2**20}"
             f"&num_buffers={transport.num_buffers}")
 
