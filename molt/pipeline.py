@@ -32,6 +32,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.config import apply_override, import_class, load_yaml, validate
+from molt.placement import PlacementSpec, check_placement
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 
@@ -118,6 +119,9 @@ class PipelineSpec(BaseModel):
     results: dict[str, str] = Field(default_factory=dict, description="summary.json 'results': name -> metric "
                                     "key (its latest value; counters summed; every value with its time in 'results_history'), "
                                     "e.g. accuracy: evaluate/accuracy")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec,  # type: ignore[arg-type]
+                                     description="where the processes run (molt.placement): children of molt run, "
+                                     "or Ray actors")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 
@@ -321,6 +325,7 @@ def _check_graph(pipe: Pipeline) -> None:
                                  f"edge {e.name}; it carries {e.schema.names}")
     for sid in pipe.stages:  # feedback inputs, now that every schema is known
         _check_inputs(pipe, sid)
+    check_placement(pipe)
 
 
 def _output_schema(pipe: Pipeline, sid: str, port: str) -> pa.Schema:

@@ -13,6 +13,11 @@ restores itself after ``setup()``; ``logs/`` and ``metrics/`` are appended to.
 ``resume=FOLDER`` (``molt replay --from-step``) starts a new run whose stages restore
 from that checkpoint of another run where they have state there.
 
+Placement (molt.placement): every process is a child of the runner on this host, or,
+with ``placement: {backend: ray}``, runs under a Ray launcher actor that holds its
+resources; the runner reserves every stage's places before it writes the wiring
+(tcp edges bind where their producers landed) and starts anything.
+
 Healthy drain: sources finish and send end-of-stream; each stage ends when every
 producer of each non-broadcast input has ended, flushes, sends end-of-stream on
 its outputs and exits 0; a broadcast (feedback) edge never holds a stage back, so
@@ -31,37 +36,36 @@ also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import yaml
 
 from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
 from molt.curve import CurveKeys
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
+from molt.placement import LocalBackend, PlacementError, free_port
 from molt.progress import Progress
 from molt.stage import SCRATCH_ENV, scratch_folder
 
 log = get_logger("runner")
 
 
-def make_wiring(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
-    """Endpoints of every edge: one per producer replica, plus the consumer ids."""
+def make_wiring(pipe: Pipeline, run_dir: Path,
+               tcp_host: Callable[[str, int], tuple[str, Callable[[str], int]]] | None = None) -> dict[str, Any]:
+    """Endpoints of every edge: one per producer replica, plus the consumer ids.
+
+    ``tcp_host(stage, replica)`` gives the address a producer binds its tcp edges to and a
+    function giving a free port there (a Ray launcher's node); default: ``host``, this machine.
+    """
     sock_dir = run_dir.resolve() / "sock"
     if len(str(sock_dir)) > 80:  # ipc:// paths are limited to ~107 bytes
         digest = hashlib.sha1(str(sock_dir).encode()).hexdigest()[:10]
@@ -79,47 +83,19 @@ def make_wiring(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
         src, dst = pipe.stages[e.src], pipe.stages[e.dst]
         inproc = dst.colocate_with == e.src or src.colocate_with == e.dst or (
             src.colocate_with is not None and src.colocate_with == dst.colocate_with)
-        num_producers = pipe.stages[src.colocate_with or e.src].replicas
+        producer = src.colocate_with or e.src
+        num_producers = pipe.stages[producer].replicas
         num_consumers = pipe.stages[dst.colocate_with or e.dst].replicas
         if inproc:
             endpoints = [f"inproc://e{e.index}.{i}" for i in range(num_producers)]
         elif pipe.spec.transport == "tcp":
-            endpoints = [f"tcp://{pipe.spec.host}:{_free_port(pipe.spec.host)}" for _ in range(num_producers)]
+            hosts = [tcp_host(producer, i) if tcp_host else (pipe.spec.host, free_port) for i in range(num_producers)]
+            endpoints = [f"tcp://{host}:{port(host)}" for host, port in hosts]
         else:
             endpoints = [f"ipc://{sock_dir}/e{e.index}.{i}" for i in range(num_producers)]
         wiring[e.name] = {"endpoints": endpoints, "inproc": inproc, "curve": None if inproc else curve,
                           "consumers": [f"{e.dst}.{j}" for j in range(num_consumers)]}
     return wiring
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the runner dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _start_child(cpus: list[int]) -> None:
-    """`_die_with_parent`, then keep to ``cpus`` (inherited by everything the stage starts)."""
-    _die_with_parent()
-    os.sched_setaffinity(0, cpus)
-
-
-@dataclass
-class Proc:
-    """One stage replica's OS process (a torchrun launcher for a group)."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    descendants: set[int] = field(default_factory=set)
 
 
 class Runner:
@@ -129,26 +105,46 @@ class Runner:
                  resume: bool | Path = False) -> None:
         self.pipe, self.run_dir, self.resume = pipe, Path(run_dir), resume
         self.replica_names = replica_names(pipe.checkpointed())
-        self.procs: list[Proc] = []
+        self.procs: list[Any] = []  # molt.placement.Proc, or the Ray backend's RayProc
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
         self.start_s = time.monotonic()
         self.scratch: Path | None = None
+        self.backend: Any = None
 
     def start(self) -> None:
-        """Write the resolved config and wiring, then start one process per replica."""
+        """Write the resolved config, reserve every process's place (molt.placement), write
+        the wiring, then start one process per replica (per node of a multi-node group)."""
         if self.resume:
             self._prepare_resume()
         for sub in ("logs", "metrics", "status"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
-        (self.run_dir / "wiring.json").write_text(json.dumps(make_wiring(self.pipe, self.run_dir), indent=1))
         self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
-        for sid in reversed(self.pipe.topo_order()):
-            node = self.pipe.stages[sid]
-            if node.colocate_with is None:
-                for r in range(node.replicas):
-                    self.procs.append(self._spawn(sid, r, node.world_size))
+        placement = self.pipe.spec.placement
+        if placement.backend == "ray":
+            from molt.placement_ray import RayBackend
+
+            self.backend = RayBackend(placement, self.pipe)
+        else:
+            self.backend = LocalBackend()
+        owners = [sid for sid in reversed(self.pipe.topo_order()) if self.pipe.stages[sid].colocate_with is None]
+        slots = {sid: self.backend.reserve(sid, self.pipe.stages[sid].replicas, self._nodes(sid)) for sid in owners}
+        tcp_host = None
+        if placement.backend == "ray" and (remote := self.backend.remote_stage(slots)):
+            if self.pipe.spec.transport != "tcp":
+                raise PlacementError(remote, f"{self.pipe.source}: stages.{remote}: Ray placed it on another node "
+                                     "than molt run; ipc edges stay on one host: set transport: tcp")
+            tcp_host = lambda sid, r: (slots[sid][r][0].address, slots[sid][r][0].free_port)  # noqa: E731
+        wiring = make_wiring(self.pipe, self.run_dir, tcp_host)
+        (self.run_dir / "wiring.json").write_text(json.dumps(wiring, indent=1))
+        for sid in owners:
+            for r, replica_slots in enumerate(slots[sid]):
+                self.procs += self._launch(sid, r, replica_slots)
+
+    def _nodes(self, sid: str) -> int:
+        placed = self.pipe.spec.placement.stages.get(sid)
+        return placed.nodes if placed else 1
 
     def _prepare_resume(self) -> None:
         """Name the checkpoint in ``resume.json`` (newest complete one, or the given
@@ -162,27 +158,32 @@ class Runner:
             old.unlink()
         log.info("resuming %s from %s", self.run_dir, folder.name)
 
-    def _spawn(self, sid: str, replica: int, world_size: int) -> Proc:
-        cmd = [sys.executable, "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
-        if world_size > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-                   "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}",
-                   "-m", "molt.worker", str(self.run_dir), sid, str(replica)]
-        log_path = self.run_dir / "logs" / f"{sid}.{replica}.log"
+    def _launch(self, sid: str, replica: int, slots: list[Any]) -> list[Any]:
+        """Start a stage replica's process in each of its slots (one, or one per node of a
+        torchrun group: static rendezvous at the first slot's address)."""
+        node = self.pipe.stages[sid]
+        worker = ["-m", "molt.worker", str(self.run_dir.resolve()), sid, str(replica)]
+        argvs = [worker]
+        if node.world_size > 1:
+            master = slots[0].address or "127.0.0.1"
+            rendezvous = [f"--nnodes={len(slots)}", f"--master-addr={master}",
+                          f"--master-port={slots[0].free_port(master)}"]
+            argvs = [["-m", "torch.distributed.run", f"--nproc-per-node={node.world_size // len(slots)}",
+                      *rendezvous, f"--node-rank={k}", *worker] for k in range(len(slots))]
         # Custom stages are imported by path relative to where `molt run` was started.
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, SCRATCH_ENV: str(self.scratch)}
-        cpus, gpus = self.pipe.stages[sid].cpus, self.pipe.stages[sid].gpus
-        if gpus is not None:  # replica r gets the r-th equal share; a torchrun group's rank k its k-th GPU
-            share = len(gpus) // self.pipe.stages[sid].replicas
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[replica * share:(replica + 1) * share]))
-        if cpus is not None:  # placement: the OS, OpenMP (torch) and vLLM's CPU backend keep to these CPUs
-            env["OMP_NUM_THREADS"] = str(max(1, len(cpus) // world_size))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-        with open(log_path, "ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent if cpus is None else partial(_start_child, cpus))
-        return Proc(f"{sid}.{replica}", popen, log_path)
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path, SCRATCH_ENV: str(self.scratch)}
+        if node.gpus is not None and isinstance(self.backend, LocalBackend):  # Ray assigns GPUs itself
+            share = len(node.gpus) // node.replicas  # replica r: the r-th equal share; group rank k its k-th GPU
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.gpus[replica * share:(replica + 1) * share]))
+        if node.cpus is not None:  # the OS, OpenMP (torch) and vLLM's CPU backend keep to these CPUs
+            env["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) * len(slots) // node.world_size))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, node.cpus))
+        logs = self.run_dir / "logs"
+        assert self.scratch is not None
+        return [slot.start(f"{sid}.{replica}", argv, env, node.cpus,
+                           logs / (f"{sid}.{replica}.log" if k == 0 else f"{sid}.{replica}.node{k}.log"), self.scratch)
+                for k, (slot, argv) in enumerate(zip(slots, argvs))]
 
     def supervise(self, progress: Progress) -> None:
         """Poll until every process has exited 0 or one has failed (sets ``failure``)."""
@@ -191,9 +192,7 @@ class Runner:
             progress.update(time.monotonic() - self.start_s)
             if (polls := polls + 1) % 10 == 0:
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
-            for p in self.procs:
-                p.descendants |= _descendants(p.popen.pid)
-            codes = [p.popen.poll() for p in self.procs]
+            codes = [p.poll() for p in self.procs]
             if any(c not in (None, 0) for c in codes):
                 self.failure = self._root_cause()
                 return
@@ -212,36 +211,28 @@ class Runner:
             try:
                 self.start()
                 self.supervise(progress)
+            except PlacementError as e:
+                self.failure = {"stage": e.stage, "error": str(e)}
             except KeyboardInterrupt:
                 log.warning("interrupted: stopping %d process(es)", len(self.procs))
                 self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
             finally:
                 self.stop()
-                if self.scratch is not None:
-                    shutil.rmtree(self.scratch, ignore_errors=True)
+                if self.backend is not None and self.scratch is not None:
+                    self.backend.close(self.scratch)
                 prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
             progress.update(time.monotonic() - self.start_s)
             return self._finish(progress, time.monotonic() - self.start_s)
 
     def stop(self) -> None:
         """Stop every process and its descendants: SIGTERM, then SIGKILL (idempotent)."""
-        pids = set()
         for p in self.procs:
-            pids |= p.descendants | _descendants(p.popen.pid)
-            if p.popen.poll() is None:
-                _signal_group(p.popen.pid, signal.SIGTERM)
+            p.terminate()
         deadline = time.monotonic() + self.pipe.spec.stop_timeout_s
-        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
         for p in self.procs:
-            if p.popen.poll() is None:
-                _signal_group(p.popen.pid, signal.SIGKILL)
-            p.popen.wait()
-        for pid in pids:  # descendants that left their process group
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+            p.kill()
 
     def _root_cause(self) -> dict[str, Any]:
         statuses = []
@@ -253,10 +244,8 @@ class Runner:
         if own:
             first = min(own, key=lambda s: s["time"])
             return {"stage": first["stage"], "error": first["error"]}
-        dead = next(p for p in self.procs if p.popen.poll() not in (None, 0))
-        code = dead.popen.returncode
-        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        return {"stage": dead.name, "error": f"process {dead.popen.pid} {how}; see {dead.log_path}"}
+        dead = next(p for p in self.procs if p.poll() not in (None, 0))
+        return {"stage": dead.name, "error": dead.failure()}
 
     def _finish(self, progress: Progress, wall_s: float) -> int:
         failure = self.failure or {}
@@ -278,20 +267,6 @@ class Runner:
             return 130
         log.error("stage %s failed; run stopped (%s)\n%s", failure["stage"], self.run_dir, failure["error"])
         return 1
-
-
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def default_run_dir(pipe: Pipeline) -> Path:

@@ -126,3 +126,15 @@ def tiny_moe_distinct(tiny_moe, tmp_path_factory):
         if item.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(item, folder / item.name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def full_rl_run(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run of `tests.test_checkpoint.resumable_rl` (4 steps, a checkpoint
+    after every prompt), shared by the resume, replay and placement tests."""
+    from tests.test_checkpoint import resumable_rl
+
+    run_dir = tmp_path_factory.mktemp("rl") / "full"
+    code, summary = run_spec(resumable_rl(tiny_chat_model), run_dir)
+    assert code == 0, summary.get("error")
+    return run_dir

@@ -101,15 +101,6 @@ def resumable_rl(model):
     return spec
 
 
-@pytest.fixture(scope="module")
-def full_rl_run(tiny_chat_model, tmp_path_factory):
-    """One uninterrupted run of `resumable_rl` (4 steps, a checkpoint after every prompt)."""
-    run_dir = tmp_path_factory.mktemp("rl") / "full"
-    code, summary = run_spec(resumable_rl(tiny_chat_model), run_dir)
-    assert code == 0, summary.get("error")
-    return run_dir
-
-
 def step_records(run_dir):
     return [r for b in read_batches(run_dir / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
 

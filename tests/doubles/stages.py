@@ -138,17 +138,21 @@ class Counter(Transform):
 
 
 class Placement(Transform):
-    """A sink that logs the CPUs it may run on and its OpenMP thread count."""
+    """A sink that logs the CPUs it may run on, its OpenMP thread count, its GPU, and
+    whether its parent is a Ray actor (molt.placement_ray's launcher)."""
 
     outputs: ClassVar[dict[str, Port]] = {}
 
     def process(self, batch: pa.RecordBatch) -> None:
         import os
 
+        import psutil
         import torch
 
+        parent = " ".join(psutil.Process().parent().cmdline())
         self.metrics.log({"cpus": float(sorted(os.sched_getaffinity(0))[-1]), "num_cpus": len(os.sched_getaffinity(0)),
-                          "threads": torch.get_num_threads(), "gpu": int(os.environ.get("CUDA_VISIBLE_DEVICES", -1))})
+                          "threads": torch.get_num_threads(), "gpu": int(os.environ.get("CUDA_VISIBLE_DEVICES", -1)),
+                          "ray_launcher": float(parent.startswith("ray::Launcher"))})
 
 
 class NeedsAdvantages(Transform):

@@ -1,0 +1,206 @@
+"""Where a pipeline's processes run: the YAML's ``placement:`` section (used by molt.runner).
+
+``backend: local`` (the default): each stage replica is a child process of ``molt run``
+on this host (a torchrun launcher for a group). ``backend: ray``: each one runs under a
+Ray actor, its *launcher*, that holds the process's resources on a Ray cluster
+(https://docs.ray.io); nothing else in the YAML changes. The data plane stays ZeroMQ:
+Ray places processes, it carries no batch.
+
+Ray: ``address`` names a running cluster ("auto": the one ``ray start`` began on this
+node); without it ``molt run`` starts a one-node instance (``num_cpus``, an object store
+capped at ``object_store_mib``) and stops it at the end. A launcher asks for
+``num_cpus`` (default: the length of the stage's ``cpus``, else 0), ``num_gpus``
+(default: its share of ``gpus``, else 0) and any custom ``resources``; a stage that asks
+for something reserves all its launchers at once as one placement group (``strategy``),
+so a run holds every engine and trainer slot before anything starts, or fails after
+``ready_timeout_s`` naming the stage. ``nodes: N`` spreads a torchrun group's
+``world_size`` ranks over N launchers (STRICT_SPREAD: one per node, unless ``strategy``
+says otherwise), joined by torchrun's static rendezvous at the first launcher's address.
+
+On Ray, the CPU ids of ``cpus`` are applied on whichever node a process lands (as
+locally) but GPU ids are not: Ray assigns the GPUs (CUDA_VISIBLE_DEVICES). The run
+directory and the working directory must lie on a filesystem every node mounts (as on a
+Slurm cluster). A process's environment is its node's, plus Molt's variables and the
+runner's ``MOLT_*``, ``HF_*``, ``VLLM_*`` and ``NCCL_*`` ones. When processes span
+nodes, tcp edges bind to the producer node's address (the one Ray uses) and ipc edges
+are refused. Failure semantics are the local ones: a launcher that dies (its actor
+killed, its node lost) fails the run naming its stage replica, and its process dies
+with it (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from molt.pipeline import Pipeline
+
+FORWARDED_ENV = ("MOLT_", "HF_", "VLLM_", "NCCL_")  # the runner's variables a remote launcher passes on
+
+
+class StagePlacement(BaseModel):
+    """``placement.stages.<id>``: what each of a stage's launchers asks of Ray (ignored locally but ``nodes``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: float | None = Field(None, ge=0, description="CPUs per launcher; None = len(cpus), else 0")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs per launcher; None = its share of gpus, else 0")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per launcher")
+    nodes: int = Field(1, ge=1, description="launchers (nodes) a replica's torchrun group spreads over")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="the stage's placement group; None = PACK, or STRICT_SPREAD when nodes > 1")
+
+
+class PlacementSpec(BaseModel):
+    """The ``placement:`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = Field(None, description="ray: a running cluster ('auto', 'HOST:6379'); "
+                                "None = start a one-node instance for the run")
+    num_cpus: int | None = Field(None, ge=1, description="ray, own instance: its CPUs; None = this process's")
+    object_store_mib: int = Field(128, ge=80, description="ray, own instance: object store cap (Molt puts nothing there)")
+    ready_timeout_s: float = Field(300.0, gt=0, description="ray: wait this long for a stage's resources")
+    stages: dict[str, StagePlacement] = Field(default_factory=dict)
+
+
+class PlacementError(RuntimeError):
+    """A backend could not place ``stage``'s processes; the run fails naming it."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def check_placement(pipe: Pipeline) -> None:
+    """Raises ValueError naming ``placement.backend`` when ray is not installed, or
+    ``placement.stages.<id>`` for an unknown or fused stage, a ``nodes`` that does not divide
+    ``world_size``, or ``nodes > 1`` on the local backend."""
+    import importlib.util
+
+    spec = pipe.spec.placement
+    if spec.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError(f"{pipe.source}: placement.backend: 'ray' needs the ray package; hint: "
+                         "pip install -e '.[ray]' (or pip install ray)")
+    for sid, p in spec.stages.items():
+        where = f"{pipe.source}: placement.stages.{sid}"
+        if sid not in pipe.stages:
+            raise ValueError(f"{where}: no such stage; stages: {sorted(pipe.stages)}")
+        node = pipe.stages[sid]
+        if node.colocate_with is not None:
+            raise ValueError(f"{where}: the stage runs in {node.colocate_with}'s processes; place {node.colocate_with}")
+        if node.world_size % p.nodes:
+            raise ValueError(f"{where}.nodes: {p.nodes} nodes do not split world_size {node.world_size} evenly")
+        if p.nodes > 1 and spec.backend == "local":
+            raise ValueError(f"{where}.nodes: {p.nodes} nodes need a multi-node backend (placement.backend: ray)")
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _start_child(cpus: list[int] | None) -> None:
+    """In the child before exec: SIGKILL when the parent thread dies (Linux PR_SET_PDEATHSIG),
+    and keep to ``cpus`` (inherited by everything the stage starts)."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+@dataclass
+class Proc:
+    """One launched OS process (a stage replica, or a torchrun launcher) and what it started."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    descendants: set[int] = field(default_factory=set)
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
+              cwd: str | None = None) -> Proc:
+        """Start ``argv`` in its own session, output appended to ``log_path``."""
+        with open(log_path, "ab") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                     start_new_session=True, preexec_fn=partial(_start_child, cpus))
+        return cls(name, popen, log_path)
+
+    def poll(self) -> int | None:
+        """The exit code, or None while running (and note its descendants, to stop strays later)."""
+        if self.popen.poll() is None:
+            try:
+                self.descendants |= {c.pid for c in psutil.Process(self.popen.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        """SIGTERM to its process group, if it runs."""
+        if self.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to its process group and to every descendant that left it; waits (idempotent)."""
+        self.poll()
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+        for pid in self.descendants:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    def failure(self) -> str:
+        code = self.popen.returncode
+        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"process {self.popen.pid} {how}; see {self.log_path}"
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalSlot:
+    """Where a local process runs: this host."""
+
+    address: str | None = None  # None: edges bind to the pipeline's ``host``, torchrun to loopback
+
+    def free_port(self, host: str) -> int:
+        return free_port(host)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
+              scratch: Path) -> Proc:
+        import sys
+
+        return Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, log_path)
+
+
+class LocalBackend:
+    """Every process a child of ``molt run`` on this host."""
+
+    def reserve(self, sid: str, replicas: int, nodes: int) -> list[list[LocalSlot]]:
+        return [[LocalSlot()] for _ in range(replicas)]
+
+    def close(self, scratch: Path) -> None:
+        shutil.rmtree(scratch, ignore_errors=True)

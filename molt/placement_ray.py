@@ -1,0 +1,209 @@
+"""The Ray placement backend (``placement: {backend: ray}``; the contract is in molt.placement).
+
+Each process is started by a :class:`Launcher` actor; a stage that asks for resources
+reserves its launchers as one placement group first. Ray is imported only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from molt.placement import FORWARDED_ENV, PlacementError, PlacementSpec, Proc, StagePlacement, free_port
+
+if TYPE_CHECKING:
+    from molt.pipeline import Pipeline
+
+
+class Launcher:
+    """A threaded Ray actor that runs one process and waits for it (``run`` blocks while
+    ``terminate`` and ``kill`` come in on other threads)."""
+
+    def __init__(self) -> None:
+        self.proc: Proc | None = None
+        self.stopped = False
+
+    def node(self) -> tuple[str, str]:
+        """(the node's address, its Ray node id)."""
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def free_port(self, host: str) -> int:
+        return free_port(host)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: str,
+              cwd: str, scratch: str) -> int:
+        """Start ``python argv`` (its own process group); return its pid.
+
+        Raises:
+            FileNotFoundError: the working directory or the run directory is not on this node.
+        """
+        for what, folder in (("working directory", cwd), ("run directory", str(Path(log_path).parent.parent))):
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(f"{name}: the {what} {folder} does not exist on node {self.node()[0]}; "
+                                        "the ray backend needs it on a filesystem every node mounts")
+        Path(scratch).mkdir(parents=True, exist_ok=True)
+        self.proc = Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, Path(log_path), cwd)
+        if self.stopped:
+            self.proc.kill()
+        return self.proc.popen.pid
+
+    def wait(self) -> int:
+        """Its exit code, once it has exited."""
+        assert self.proc is not None
+        while (code := self.proc.poll()) is None:
+            time.sleep(0.2)
+        return code
+
+    def terminate(self) -> None:
+        self.stopped = True
+        if self.proc is not None:
+            self.proc.terminate()
+
+    def kill(self) -> None:
+        self.stopped = True
+        if self.proc is not None:
+            self.proc.kill()
+
+
+class RayProc:
+    """The runner's handle of a process started by a launcher (the interface of molt.placement.Proc)."""
+
+    def __init__(self, name: str, actor: Any, ref: Any, log_path: Path, pid: int, node_id: str) -> None:
+        self.name, self.actor, self.ref, self.log_path, self.pid, self.node_id = name, actor, ref, log_path, pid, node_id
+        self.code: int | None = None
+        self.error: str | None = None
+
+    def poll(self) -> int | None:
+        if self.code is None and ray.wait([self.ref], timeout=0)[0]:
+            try:
+                self.code = ray.get(self.ref)
+            except ray.exceptions.RayActorError as e:
+                self.code, self.error = -9, f"its Ray launcher actor died ({str(e).splitlines()[0]})"
+            except ray.exceptions.RayTaskError as e:
+                self.code, self.error = 1, f"its Ray launcher failed: {e.cause!r}"
+        return self.code
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            self.actor.terminate.remote()
+
+    def kill(self) -> None:
+        """SIGKILL to the process and what it started (through the launcher), then the launcher.
+        Where the launcher died first, its process died with it (PR_SET_PDEATHSIG) but not
+        what that started: a task on its node kills the process group."""
+        orphaned = self.error is not None
+        if self.poll() is None:
+            try:
+                ray.get(self.actor.kill.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                orphaned = True
+        ray.kill(self.actor)
+        if orphaned or self.error is not None:
+            strategy = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
+            ray.get(ray.remote(_kill_group).options(num_cpus=0, scheduling_strategy=strategy).remote(self.pid))
+
+    def failure(self) -> str:
+        return f"{self.error or f'the process exited with code {self.code}'}; see {self.log_path}"
+
+
+class RaySlot:
+    """A reserved launcher: where one process of a stage replica will run."""
+
+    def __init__(self, actor: Any, address: str, node_id: str) -> None:
+        self.actor, self.address, self.node_id = actor, address, node_id
+
+    def free_port(self, host: str) -> int:
+        return int(ray.get(self.actor.free_port.remote(host)))
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
+              scratch: Path) -> RayProc:
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+        pid = ray.get(self.actor.start.remote(name, argv, {**forwarded, **env}, cpus, str(log_path.resolve()),
+                                              os.getcwd(), str(scratch)))
+        return RayProc(name, self.actor, self.actor.wait.remote(), log_path, pid, self.node_id)
+
+
+class RayBackend:
+    """Connects to (or starts) a Ray cluster; reserves launchers per stage; cleans up."""
+
+    def __init__(self, spec: PlacementSpec, pipe: Pipeline) -> None:
+        self.spec, self.pipe = spec, pipe
+        if spec.address is None:
+            ray.init(num_cpus=spec.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
+                     object_store_memory=spec.object_store_mib * 2**20, log_to_driver=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=spec.address, log_to_driver=False, logging_level=logging.WARNING)
+        self.node_id = ray.get_runtime_context().get_node_id()  # the runner's node
+        self.launcher = ray.remote(Launcher)
+        self.groups: list[Any] = []
+        self.nodes: set[str] = set()
+
+    def reserve(self, sid: str, replicas: int, nodes: int) -> list[list[RaySlot]]:
+        """``replicas`` lists of ``nodes`` launchers, placed and started.
+
+        Raises:
+            PlacementError: naming ``stages.<id>``, when Ray cannot place them within ``ready_timeout_s``.
+        """
+        node, p = self.pipe.stages[sid], self.spec.stages.get(sid, StagePlacement.model_validate({}))
+        cpus = p.num_cpus or 0.0  # CPU ids may be shared by stages: they are no count to reserve
+        gpus = p.num_gpus if p.num_gpus is not None else len(node.gpus) / replicas / nodes if node.gpus else 0.0
+        bundle = {k: v for k, v in {"CPU": cpus, "GPU": gpus, **p.resources}.items() if v}
+        count, timeout = replicas * nodes, self.spec.ready_timeout_s
+        wait = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of {bundle or 'nothing'} "
+                f"within {timeout:g} s (placement.ready_timeout_s)")
+        strategies: list[Any] = []
+        if bundle:
+            pg = placement_group([bundle] * count, strategy=p.strategy or ("STRICT_SPREAD" if nodes > 1 else "PACK"),
+                                 name=f"molt-{sid}")
+            self.groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise PlacementError(sid, f"{wait}; free: {ray.available_resources()}") from None
+            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(count)]
+        actors: list[Any] = [self.launcher.options(max_concurrency=3, num_cpus=cpus, num_gpus=gpus, resources=p.resources or None,
+                                                   scheduling_strategy=strategies[i] if strategies else "DEFAULT"
+                                                   ).remote() for i in range(count)]
+        try:
+            where = ray.get([a.node.remote() for a in actors], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(sid, f"{wait}; free: {ray.available_resources()}") from None
+        slots = [RaySlot(a, address, node_id) for a, (address, node_id) in zip(actors, where)]
+        self.nodes |= {s.node_id for s in slots}
+        return [slots[r * nodes:(r + 1) * nodes] for r in range(replicas)]
+
+    def remote_stage(self, slots: dict[str, list[list[RaySlot]]]) -> str | None:
+        """A stage with a launcher on another node than the runner's, if any."""
+        return next((sid for sid, replicas in slots.items() for r in replicas for s in r
+                     if s.node_id != self.node_id), None)
+
+    def close(self, scratch: Path) -> None:
+        """Remove the placement groups and every node's scratch folder; disconnect (or stop the own instance)."""
+        for pg in self.groups:
+            remove_placement_group(pg)
+        shutil.rmtree(scratch, ignore_errors=True)
+        remove = ray.remote(_remove_folder)
+        ray.get([remove.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+            str(scratch)) for n in self.nodes - {self.node_id}])
+        ray.shutdown()
+
+
+def _remove_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
