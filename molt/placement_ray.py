@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 
 class Launcher:
-    """A threaded Ray actor that runs one process and waits for it (``run`` blocks while
-    ``terminate`` and ``kill`` come in on other threads)."""
+    """A threaded Ray actor that starts one process and waits for it (``wait`` blocks while
+    ``terminate`` and ``kill`` come in on other threads). The process gets SIGKILL when the
+    thread that started it dies (PR_SET_PDEATHSIG): the actor's pool threads live as long as it."""
 
     def __init__(self) -> None:
         self.proc: Proc | None = None
@@ -108,9 +109,13 @@ class RayProc:
             except (ray.exceptions.RayError, TimeoutError):
                 orphaned = True
         ray.kill(self.actor)
-        if orphaned or self.error is not None:
+        if orphaned:
             strategy = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
-            ray.get(ray.remote(_kill_group).options(num_cpus=0, scheduling_strategy=strategy).remote(self.pid))
+            try:  # a lost node takes its processes with it
+                ray.get(ray.remote(_kill_group).options(num_cpus=0, scheduling_strategy=strategy).remote(self.pid),
+                        timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
 
     def failure(self) -> str:
         return f"{self.error or f'the process exited with code {self.code}'}; see {self.log_path}"
@@ -127,9 +132,17 @@ class RaySlot:
 
     def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
               scratch: Path) -> RayProc:
+        """Start the process through the launcher.
+
+        Raises:
+            PlacementError: the launcher could not start it (e.g. a folder missing on its node).
+        """
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-        pid = ray.get(self.actor.start.remote(name, argv, {**forwarded, **env}, cpus, str(log_path.resolve()),
-                                              os.getcwd(), str(scratch)))
+        try:
+            pid = ray.get(self.actor.start.remote(name, argv, {**forwarded, **env}, cpus, str(log_path.resolve()),
+                                                  os.getcwd(), str(scratch)))
+        except ray.exceptions.RayTaskError as e:
+            raise PlacementError(name, str(e.cause)) from None
         return RayProc(name, self.actor, self.actor.wait.remote(), log_path, pid, self.node_id)
 
 
@@ -171,9 +184,9 @@ class RayBackend:
             except ray.exceptions.GetTimeoutError:
                 raise PlacementError(sid, f"{wait}; free: {ray.available_resources()}") from None
             strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(count)]
-        actors: list[Any] = [self.launcher.options(max_concurrency=3, num_cpus=cpus, num_gpus=gpus, resources=p.resources or None,
-                                                   scheduling_strategy=strategies[i] if strategies else "DEFAULT"
-                                                   ).remote() for i in range(count)]
+        options = {"max_concurrency": 3, "num_cpus": cpus, "num_gpus": gpus, "resources": p.resources or None}
+        actors: list[Any] = [self.launcher.options(**options, scheduling_strategy=strategies[i] if strategies
+                                                   else "DEFAULT").remote() for i in range(count)]
         try:
             where = ray.get([a.node.remote() for a in actors], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -193,8 +206,11 @@ class RayBackend:
             remove_placement_group(pg)
         shutil.rmtree(scratch, ignore_errors=True)
         remove = ray.remote(_remove_folder)
-        ray.get([remove.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
-            str(scratch)) for n in self.nodes - {self.node_id}])
+        try:  # a lost node took its folder with it
+            ray.get([remove.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                     .remote(str(scratch)) for n in self.nodes - {self.node_id}], timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
         ray.shutdown()
 
 

@@ -218,3 +218,20 @@ def test_the_gpu_recipes_load_with_their_placement_and_throughput_fields():
     nodes = {sid: p.resources for sid, p in two.spec.placement.stages.items()}
     assert nodes == {"rollout": {"slurm_node_0": 1}, "train": {"slurm_node_1": 1}, "evaluate": {"slurm_node_1": 1}}
     assert len(two.stages["rollout"].gpus) == 8 and two.stages["train"].world_size == 4
+
+
+def test_a_launcher_refuses_a_node_without_the_shared_folders(tmp_path):
+    from molt.placement_ray import Launcher
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    start = Launcher().start
+    with pytest.raises(FileNotFoundError, match="train.0: the working directory /nowhere does not exist on node "
+                                                ".*a filesystem every node mounts"):
+        start("train.0", ["-c", "pass"], {}, None, str(logs / "train.0.log"), "/nowhere", str(tmp_path / "s"))
+    with pytest.raises(FileNotFoundError, match="the run directory /gone does not exist"):
+        start("train.0", ["-c", "pass"], {}, None, "/gone/logs/train.0.log", str(tmp_path), str(tmp_path / "s"))
+    launcher = Launcher()
+    launcher.start("train.0", ["-c", "print('ran')"], {}, None, str(logs / "train.0.log"), str(tmp_path),
+                   str(tmp_path / "s"))
+    assert launcher.wait() == 0 and (logs / "train.0.log").read_text() == "ran\n" and (tmp_path / "s").is_dir()
