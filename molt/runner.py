@@ -160,14 +160,16 @@ class Runner:
 
     def _launch(self, sid: str, replica: int, slots: list[Any]) -> list[Any]:
         """Start a stage replica's process in each of its slots (one, or one per node of a
-        torchrun group: static rendezvous at the first slot's address)."""
+        torchrun group: static rendezvous at the first slot's address). A one-node group uses
+        ``--standalone``: its store binds a port of the OS's choice, so no other process can take
+        it between choosing and binding (CI saw a one-node group exit 1 before any rank ran)."""
         node = self.pipe.stages[sid]
         worker = ["-m", "molt.worker", str(self.run_dir.resolve()), sid, str(replica)]
         argvs = [worker]
         if node.world_size > 1:
             master = slots[0].address or "127.0.0.1"
-            rendezvous = [f"--nnodes={len(slots)}", f"--master-addr={master}",
-                          f"--master-port={slots[0].free_port(master)}"]
+            rendezvous = ["--standalone"] if len(slots) == 1 else [
+                f"--nnodes={len(slots)}", f"--master-addr={master}", f"--master-port={slots[0].free_port(master)}"]
             argvs = [["-m", "torch.distributed.run", f"--nproc-per-node={node.world_size // len(slots)}",
                       *rendezvous, f"--node-rank={k}", *worker] for k in range(len(slots))]
         # Custom stages are imported by path relative to where `molt run` was started.
@@ -245,7 +247,7 @@ class Runner:
             first = min(own, key=lambda s: s["time"])
             return {"stage": first["stage"], "error": first["error"]}
         dead = next(p for p in self.procs if p.poll() not in (None, 0))
-        return {"stage": dead.name, "error": dead.failure()}
+        return {"stage": dead.name, "error": dead.failure() + _log_tail(dead.log_path)}
 
     def _finish(self, progress: Progress, wall_s: float) -> int:
         failure = self.failure or {}
@@ -267,6 +269,16 @@ class Runner:
             return 130
         log.error("stage %s failed; run stopped (%s)\n%s", failure["stage"], self.run_dir, failure["error"])
         return 1
+
+
+def _log_tail(path: Path, lines: int = 12) -> str:
+    """The last ``lines`` lines of a stage's log, for a process that died before writing its
+    status (a launcher's own error, a crash in native code); empty when unreadable."""
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n" + "\n".join(tail) if tail else ""
 
 
 def default_run_dir(pipe: Pipeline) -> Path:

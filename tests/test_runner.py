@@ -87,6 +87,7 @@ def test_a_stage_killed_with_sigkill_stops_the_run(tmp_path, no_orphans):
                                    num_groups=40, groups_per_batch=1), tmp_path / "run")
     assert code == 1 and summary["failed_stage"] == "boom.0"
     assert "killed by signal SIGKILL" in summary["error"]
+    assert "SIGKILL to myself at batch 1" in summary["error"], "the log's last lines: a death without a status"
 
 
 def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans):

@@ -37,6 +37,7 @@ class Boom(Transform):
         self.seen += 1
         if self.seen >= self.config.fail_at:
             if self.config.kill_self:
+                print(f"SIGKILL to myself at batch {self.seen}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"boom at batch {self.seen}")
         return batch
