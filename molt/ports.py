@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from molt.schema import conform
-from molt.transport import (BARRIER, CREDIT, DATA, END, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
+from molt.transport import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
                             ProtocolError, SendBuffers, UpstreamError, decode_batch, encode_batch, split_frames)
 
 
@@ -94,6 +94,8 @@ class InputPort:
                 if self._owed[sock] >= max(1, spec.capacity // 2):
                     await self._return_credits(sock)
         elif kind == END:
+            await sock.send_multipart([END_ACK, b""])  # the producer may close now (molt.transport)
+            sock.setsockopt(zmq.LINGER, 1_000)  # flush it on close; a failing consumer keeps 0 (exits at once)
             del self._open[sock]
             self.poller.unregister(sock)
             self._release_if_aligned()
@@ -183,6 +185,11 @@ class OutputPort:
         self.ended = True
         for e in self.edges:
             await e.send_control(END, self.producer_id.encode())
+
+    async def wait_delivered(self) -> None:
+        """After `send_end`: wait until every consumer has read the end (`OutputEdge.wait_acked`)."""
+        for e in self.edges:
+            await e.wait_acked()
 
     async def send_error(self, stage: str, error: str) -> None:
         for e in self.edges:

@@ -11,6 +11,7 @@ X     error        JSON ``{"stage": id, "error": text}``: the producer failed
 B     barrier      JSON ``{"step": k}``: checkpoint barrier k
 H     hello        JSON ``{"consumer": id, "credits": n}`` (consumer -> producer)
 C     credit       ASCII integer n: the consumer can take n more batches
+A     end ack      empty: the consumer has read this producer's end (consumer -> producer)
 ====  ===========  =========================================================
 
 Nothing is pickled. ``tcp://`` edges run over CURVE with per-run keys (molt.curve). Sockets: every producer replica binds one ROUTER per edge;
@@ -22,6 +23,12 @@ to the consumer with the most credits, ``keyed`` edges split each batch by
 ``crc32(key) % num_consumers`` so a group never splits across replicas, and
 ``broadcast`` edges send every message to every consumer that said hello (a late
 consumer gets the latest one on hello) without credits.
+
+A ``stream`` or ``keyed`` producer that has sent its end waits (`OutputEdge.wait_acked`, at
+most ``END_ACK_TIMEOUT_S``) until every consumer has acknowledged it before closing: a TCP
+socket closed with unread input (a consumer's last credits) is reset, and the reset drops
+what was still in flight (seen: the last 64 MiB batch and the end of a ``tcp://`` edge lost,
+the consumer waiting forever). The consumer's acknowledgement is the last thing it sends.
 
 The in-process edge for tests and fused stages is the same code over ``inproc://``
 endpoints sharing one ``zmq.asyncio.Context``. What a stage sees of its edges (named
@@ -45,8 +52,9 @@ import zmq.asyncio
 from molt.curve import make_client, make_server, run_keys
 from molt.schema import schema_diff
 
-DATA, END, ERROR, BARRIER, HELLO, CREDIT = b"D", b"E", b"X", b"B", b"H", b"C"
-_KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT}
+DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK = b"D", b"E", b"X", b"B", b"H", b"C", b"A"
+_KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK}
+END_ACK_TIMEOUT_S = 30.0  # = a stream edge's linger; longer only while a consumer has not yet read the end
 EdgeKind = Literal["stream", "keyed", "broadcast"]
 
 
@@ -197,6 +205,7 @@ class OutputEdge:
             Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
         self.sock.bind(endpoint)
         self.credits: dict[str, int] = {}
+        self.acked: set[str] = set()  # consumers that have read this producer's end
         self.latest: list[Any] | None = None
         self._rr = 0
         self._responder: asyncio.Task[None] | None = None
@@ -242,9 +251,24 @@ class OutputEdge:
                     await self.sock.send_multipart([ident, *self.latest], copy=False)
             elif kind_frame == CREDIT:
                 self.credits[peer] = self.credits.get(peer, 0) + int(bytes(payload))
+            elif kind_frame == END_ACK:
+                self.acked.add(peer)
             else:
                 raise ProtocolError(f"{self.where}: consumer {peer!r} sent kind {kind_frame!r}; "
-                                    "expected hello or credit")
+                                    "expected hello, credit or end ack")
+
+    async def wait_acked(self, timeout_s: float = END_ACK_TIMEOUT_S) -> bool:
+        """After the end: read until every consumer has acknowledged it, at most ``timeout_s``
+        (broadcast edges: at once; their subscribers come and go). True when all have."""
+        if self.spec.kind == "broadcast":
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not self.acked >= set(self.spec.consumers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self._pump(timeout_ms=int(min(left, 1.0) * 1000) + 1)
+        return True
 
     async def _recv3(self) -> tuple[bytes, bytes, Any]:
         frames = await self.sock.recv_multipart(copy=False)
@@ -327,7 +351,7 @@ class InputEdge:
             s.setsockopt(zmq.IDENTITY, consumer_id.encode())
             s.setsockopt(zmq.RCVHWM, spec.hwm)
             s.setsockopt(zmq.SNDHWM, spec.hwm)
-            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.LINGER, 0)  # a closing consumer owes nothing (1 s once the end ack is sent: molt.ports)
             if spec.curve is not None:
                 make_client(s, run_keys(spec.curve))
             s.connect(endpoint)

@@ -124,6 +124,56 @@ def test_credits_hold_a_producer_back_until_the_consumer_reads(zctx, tmp_path):
     assert first.column("prompt_id").to_pylist() == ["a"]
 
 
+def test_a_producer_closes_only_after_its_consumer_has_read_the_end(zctx, tmp_path):
+    async def main():
+        out, inp = await connected(zctx, spec(tmp_path))
+        await out.send(batch(["a"]))
+        await out.send_end()
+        delivered = asyncio.create_task(out.wait_delivered())
+        await asyncio.sleep(0.5)
+        waited = not delivered.done()
+        items = await _drain(inp)
+        await asyncio.wait_for(delivered, 5)
+        out.close(), inp.close()
+        return waited, items
+
+    waited, items = asyncio.run(main())
+    assert waited, "the end is not delivered until the consumer has read it"
+    assert len(items) == 1
+
+
+def test_the_wait_for_the_end_ack_is_bounded_when_the_consumer_never_reads(zctx, tmp_path):
+    async def main():
+        out, inp = await connected(zctx, spec(tmp_path))
+        await out.send_end()
+        acked = await out.edges[0].wait_acked(timeout_s=0.3)
+        out.close(), inp.close()
+        return acked
+
+    assert asyncio.run(main()) is False
+
+
+def test_big_batches_over_tcp_arrive_whole_with_the_end():
+    """A producer process exiting right after its last 64 MiB batch and its end: before end acks,
+    the consumer's last credits sat unread as the producer's TCP socket closed, the reset dropped
+    what was in flight, and the consumer lost the last batch and the end in about half the runs."""
+    import multiprocessing as mp
+
+    from tests.doubles.edges import consume, produce
+
+    ctx = mp.get_context("spawn")
+    for _ in range(3):
+        endpoint, q = free_tcp_endpoint(), ctx.Queue()
+        procs = [ctx.Process(target=produce, args=(endpoint, 64 << 20, 6)), ctx.Process(target=consume, args=(endpoint, q))]
+        for p in procs:
+            p.start()
+        got = q.get(timeout=120)
+        for p in procs:
+            p.join(timeout=30)
+        assert got == (6, True), f"received {got[0]} of 6 batches, end {'seen' if got[1] else 'lost'}"
+        assert [p.exitcode for p in procs] == [0, 0]
+
+
 def test_broadcast_gives_a_late_subscriber_the_latest_value(zctx, tmp_path):
     async def main():
         ctx = zctx
