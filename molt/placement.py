@@ -100,10 +100,14 @@ def check_placement(pipe: Pipeline) -> None:
         node = pipe.stages[sid]
         if node.colocate_with is not None:
             raise ValueError(f"{where}: the stage runs in {node.colocate_with}'s processes; place {node.colocate_with}")
-        if node.world_size % p.nodes:
-            raise ValueError(f"{where}.nodes: {p.nodes} nodes do not split world_size {node.world_size} evenly")
         if p.nodes > 1 and spec.backend == "local":
             raise ValueError(f"{where}.nodes: {p.nodes} nodes need a multi-node backend (placement.backend: ray)")
+        if p.nodes > 1 and node.world_size == 1:
+            raise ValueError(f"{where}.nodes: spreads a torchrun group's ranks over nodes, and {sid} is one process "
+                             f"per replica (world_size 1); hint: replicas spread by themselves, nodes is for "
+                             "stages with world_size > 1")
+        if node.world_size % p.nodes:
+            raise ValueError(f"{where}.nodes: {p.nodes} nodes do not split world_size {node.world_size} evenly")
 
 
 def free_port(host: str) -> int:

@@ -10,7 +10,9 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,11 +153,25 @@ class RayBackend:
 
     def __init__(self, spec: PlacementSpec, pipe: Pipeline) -> None:
         self.spec, self.pipe = spec, pipe
+        sigterm = signal.getsignal(signal.SIGTERM)  # molt run's: an orderly stop (Ray's driver installs its own)
         if spec.address is None:
             ray.init(num_cpus=spec.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
                      object_store_memory=spec.object_store_mib * 2**20, log_to_driver=False, logging_level=logging.WARNING)
         else:
-            ray.init(address=spec.address, log_to_driver=False, logging_level=logging.WARNING)
+            where = f"{pipe.source}: placement.address: {spec.address!r}"
+            hint = "hint: the address `ray start --head` printed (HOST:6379), or no placement.address for a one-node instance"
+            host, _, port = spec.address.rpartition(":")
+            if port.isdigit():  # Ray retries an address where nothing answers for ever
+                try:
+                    socket.create_connection((host, int(port)), timeout=10).close()
+                except OSError as e:
+                    raise PlacementError("placement", f"{where}: nothing answers there ({e}); {hint}") from None
+            try:
+                ray.init(address=spec.address, log_to_driver=False, logging_level=logging.WARNING)
+            except ConnectionError as e:
+                raise PlacementError("placement", f"{where}: {str(e).splitlines()[0]}; {hint}") from None
+        if sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
         self.node_id = ray.get_runtime_context().get_node_id()  # the runner's node
         self.launcher = ray.remote(Launcher)
         self.groups: list[Any] = []
@@ -171,18 +187,22 @@ class RayBackend:
         cpus = p.num_cpus or 0.0  # CPU ids may be shared by stages: they are no count to reserve
         gpus = p.num_gpus if p.num_gpus is not None else len(node.gpus) / replicas / nodes if node.gpus else 0.0
         bundle = {k: v for k, v in {"CPU": cpus, "GPU": gpus, **p.resources}.items() if v}
+        if nodes > 1 and not bundle:
+            bundle = {"CPU": 0.01}  # a placement group needs a resource in each bundle; it is what spreads them
         count, timeout = replicas * nodes, self.spec.ready_timeout_s
+        strategy = p.strategy or ("STRICT_SPREAD" if nodes > 1 else "PACK")
         wait = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of {bundle or 'nothing'} "
-                f"within {timeout:g} s (placement.ready_timeout_s)")
+                f"each ({strategy}) within {timeout:g} s (placement.ready_timeout_s)")
+        hint = (f"hint: ask for less in placement.stages.{sid}, or add nodes"
+                + (" (STRICT_SPREAD: one node per launcher)" if strategy == "STRICT_SPREAD" else ""))
         strategies: list[Any] = []
         if bundle:
-            pg = placement_group([bundle] * count, strategy=p.strategy or ("STRICT_SPREAD" if nodes > 1 else "PACK"),
-                                 name=f"molt-{sid}")
+            pg = placement_group([bundle] * count, strategy=strategy, name=f"molt-{sid}")
             self.groups.append(pg)
             try:
                 ray.get(pg.ready(), timeout=timeout)
             except ray.exceptions.GetTimeoutError:
-                raise PlacementError(sid, f"{wait}; free: {ray.available_resources()}") from None
+                raise PlacementError(sid, f"{wait}; free: {_free()}; {hint}") from None
             strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(count)]
         options = {"max_concurrency": 3, "num_cpus": cpus, "num_gpus": gpus, "resources": p.resources or None}
         actors: list[Any] = [self.launcher.options(**options, scheduling_strategy=strategies[i] if strategies
@@ -190,7 +210,7 @@ class RayBackend:
         try:
             where = ray.get([a.node.remote() for a in actors], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise PlacementError(sid, f"{wait}; free: {ray.available_resources()}") from None
+            raise PlacementError(sid, f"{wait}; free: {_free()}; {hint}") from None
         slots = [RaySlot(a, address, node_id) for a, (address, node_id) in zip(actors, where)]
         self.nodes |= {s.node_id for s in slots}
         return [slots[r * nodes:(r + 1) * nodes] for r in range(replicas)]
@@ -212,6 +232,12 @@ class RayBackend:
         except (ray.exceptions.RayError, TimeoutError):
             pass
         ray.shutdown()
+
+
+def _free() -> dict[str, float]:
+    """The cluster's free CPUs, GPUs and custom resources (not memory or Ray's internal node keys)."""
+    return {k: v for k, v in ray.available_resources().items()
+            if "memory" not in k and not k.startswith(("node:", "accelerator_type:"))}
 
 
 def _remove_folder(path: str) -> None:

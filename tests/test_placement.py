@@ -97,7 +97,10 @@ def test_the_quickstart_placed_through_ray_gives_the_local_results(default_model
     assert runs["ray"] == runs["local"]
 
 
-def test_a_killed_ray_launcher_stops_the_run_naming_its_stage(tmp_path, no_orphans, no_ray_left):
+@pytest.mark.parametrize("how", ["kill_a_launcher", "sigterm_molt_run"])
+def test_a_killed_ray_launcher_or_a_sigterm_stops_the_run_cleanly(how, tmp_path, no_orphans, no_ray_left):
+    """SIGKILL to a launcher: the run fails naming its stage replica. SIGTERM to `molt run` (scancel,
+    timeout): the orderly stop of the local backend, although Ray's driver installs its own handler."""
     spec = chain(("slow", "tests.doubles.stages.Sleepy", {"replicas": 2, "config": {"sleep_s": 30,
                                                                                      "spawn_child": True}}),
                  num_groups=8)
@@ -113,10 +116,15 @@ def test_a_killed_ray_launcher_stops_the_run_naming_its_stage(tmp_path, no_orpha
     pids = [pid for p in pid_files for pid in json.loads(p.read_text())]
     launcher = psutil.Process(pids[2]).parent()  # slow.1's worker process runs under its launcher
     assert " ".join(launcher.cmdline()).startswith("ray::Launcher"), launcher.cmdline()
-    launcher.send_signal(signal.SIGKILL)  # as the OOM killer or a lost node would
-    assert proc.wait(timeout=60) == 1, proc.stderr.read()[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["failed_stage"] == "slow.1" and "its Ray launcher actor died" in summary["error"], summary
+    if how == "kill_a_launcher":
+        launcher.send_signal(signal.SIGKILL)  # as the OOM killer or a lost node would
+        assert proc.wait(timeout=60) == 1, proc.stderr.read()[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["failed_stage"] == "slow.1" and "its Ray launcher actor died" in summary["error"], summary
+    else:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130, proc.stderr.read()[-3000:]
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     time.sleep(0.5)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left behind: {alive}"
@@ -146,18 +154,44 @@ def test_what_ray_cannot_place_fails_naming_the_stage(tmp_path, no_orphans, no_r
                          "stages": {"sink": {"num_gpus": 1}}}
     code, summary, err = molt_run(spec, tmp_path / "run")
     assert code == 1 and summary["status"] == "failed" and summary["failed_stage"] == "sink", err[-3000:]
-    assert "stages.sink: Ray could not place 1 launcher(s) of {'GPU': 1.0} within 5 s" in summary["error"], summary
+    assert "stages.sink: Ray could not place 1 launcher(s) of {'GPU': 1.0} each (PACK) within 5 s" in summary["error"]
+    assert "hint: ask for less in placement.stages.sink, or add nodes" in summary["error"]
+    assert "memory" not in summary["error"], "the free resources a stage can ask for, not Ray's memory keys"
+
+
+def test_nodes_spread_a_group_over_nodes_even_when_the_stage_asks_for_nothing(tmp_path, no_orphans, no_ray_left):
+    """`nodes: 2` alone: STRICT_SPREAD (one launcher per node), which this one node cannot give."""
+    spec = chain(("total", "tests.doubles.stages.GroupTotal", {"world_size": 2}), num_groups=2)
+    spec["placement"] = {"backend": "ray", "object_store_mib": 100, "ready_timeout_s": 5,
+                         "stages": {"total": {"nodes": 2}}}
+    code, summary, err = molt_run(spec, tmp_path / "run")
+    assert code == 1 and summary["failed_stage"] == "total", err[-3000:]
+    assert "each (STRICT_SPREAD)" in summary["error"] and "one node per launcher" in summary["error"], summary
+
+
+def test_a_ray_address_where_nothing_answers_fails_at_once_naming_placement_address(tmp_path, no_orphans):
+    from molt.placement import free_port
+
+    spec = chain(num_groups=2)
+    spec["placement"] = {"backend": "ray", "address": f"127.0.0.1:{free_port('127.0.0.1')}"}
+    code, summary, err = molt_run(spec, tmp_path / "run", timeout=60)
+    assert code == 1 and summary["failed_stage"] == "placement", err[-3000:]
+    assert "placement.address: '127.0.0.1:" in summary["error"] and "nothing answers there" in summary["error"]
 
 
 def test_placement_is_checked_when_the_pipeline_loads():
-    base = chain(("shape", "stages.shape_reward.ShapeReward", {"world_size": 2}))
-    cases = {"placement.stages.nope.nodes=2": "placement.stages.nope: no such stage",
-             "placement.stages.shape.nodes=3": "placement.stages.shape.nodes: 3 nodes do not split world_size 2",
-             "placement.stages.shape.nodes=2": "nodes: 2 nodes need a multi-node backend (placement.backend: ray)",
-             "placement.backend=slurm": "placement.backend"}
-    for override, message in cases.items():
+    base = chain(("shape", "stages.shape_reward.ShapeReward", {"world_size": 2}),
+                 ("single", "tests.doubles.stages.Sleepy", {"replicas": 2}))
+    on_ray = _override(base, "placement.backend=ray")
+    cases = [(base, "placement.stages.nope.nodes=2", "placement.stages.nope: no such stage"),
+             (on_ray, "placement.stages.shape.nodes=3", "placement.stages.shape.nodes: 3 nodes do not split world_size 2"),
+             (on_ray, "placement.stages.single.nodes=2", "placement.stages.single.nodes: spreads a torchrun group's "
+                                                         "ranks over nodes, and single is one process per replica"),
+             (base, "placement.stages.shape.nodes=2", "nodes: 2 nodes need a multi-node backend (placement.backend: ray)"),
+             (base, "placement.backend=slurm", "placement.backend")]
+    for spec, override, message in cases:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            Pipeline.from_spec(_override(base, override), source="p.yaml")
+            Pipeline.from_spec(_override(spec, override), source="p.yaml")
     fused = chain(("a", "stages.shape_reward.ShapeReward", {}),
                   ("b", "tests.doubles.stages.Sleepy", {"colocate_with": "a"}))
     with pytest.raises(ValueError, match="placement.stages.b: the stage runs in a's processes; place a"):
