@@ -191,10 +191,16 @@ class RayBackend:
             bundle = {"CPU": 0.01}  # a placement group needs a resource in each bundle; it is what spreads them
         count, timeout = replicas * nodes, self.spec.ready_timeout_s
         strategy = p.strategy or ("STRICT_SPREAD" if nodes > 1 else "PACK")
-        wait = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of {bundle or 'nothing'} "
-                f"each ({strategy}) within {timeout:g} s (placement.ready_timeout_s)")
+        what = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of {bundle or 'nothing'} "
+                f"each ({strategy})")
+        wait = f"{what} within {timeout:g} s (placement.ready_timeout_s)"
         hint = (f"hint: ask for less in placement.stages.{sid}, or add nodes"
                 + (" (STRICT_SPREAD: one node per launcher)" if strategy == "STRICT_SPREAD" else ""))
+        if self.spec.address is None:  # the one node this run started: nothing more will ever join it
+            total = ray.cluster_resources()
+            if any(v * count > total.get(k, 0) for k, v in bundle.items()) or (strategy == "STRICT_SPREAD" and count > 1):
+                raise PlacementError(sid, f"{what} on the one-node instance this run started (it has {_free(total)}); "
+                                          f"{hint} (a cluster: placement.address)")
         strategies: list[Any] = []
         if bundle:
             pg = placement_group([bundle] * count, strategy=strategy, name=f"molt-{sid}")
@@ -202,7 +208,7 @@ class RayBackend:
             try:
                 ray.get(pg.ready(), timeout=timeout)
             except ray.exceptions.GetTimeoutError:
-                raise PlacementError(sid, f"{wait}; free: {_free()}; {hint}") from None
+                raise PlacementError(sid, f"{wait}; free: {_free()} of {_free(ray.cluster_resources())}; {hint}") from None
             strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(count)]
         options = {"max_concurrency": 3, "num_cpus": cpus, "num_gpus": gpus, "resources": p.resources or None}
         actors: list[Any] = [self.launcher.options(**options, scheduling_strategy=strategies[i] if strategies
@@ -210,7 +216,7 @@ class RayBackend:
         try:
             where = ray.get([a.node.remote() for a in actors], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise PlacementError(sid, f"{wait}; free: {_free()}; {hint}") from None
+            raise PlacementError(sid, f"{wait}; free: {_free()} of {_free(ray.cluster_resources())}; {hint}") from None
         slots = [RaySlot(a, address, node_id) for a, (address, node_id) in zip(actors, where)]
         self.nodes |= {s.node_id for s in slots}
         return [slots[r * nodes:(r + 1) * nodes] for r in range(replicas)]
@@ -234,10 +240,11 @@ class RayBackend:
         ray.shutdown()
 
 
-def _free() -> dict[str, float]:
-    """The cluster's free CPUs, GPUs and custom resources (not memory or Ray's internal node keys)."""
-    return {k: v for k, v in ray.available_resources().items()
-            if "memory" not in k and not k.startswith(("node:", "accelerator_type:"))}
+def _free(resources: dict[str, float] | None = None) -> dict[str, float]:
+    """The cluster's free (or the given) CPUs, GPUs and custom resources, without memory, Ray's
+    node keys and placement groups' own."""
+    return {k: v for k, v in (resources or ray.available_resources()).items()
+            if "memory" not in k and "_group_" not in k and not k.startswith(("node:", "accelerator_type:"))}
 
 
 def _remove_folder(path: str) -> None:

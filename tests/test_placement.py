@@ -148,14 +148,24 @@ def test_a_torchrun_group_spread_over_two_launchers_trains_as_one_group(tiny_cha
     assert [r["step"] for r in step_records(tmp_path / "ray")] == [0, 1, 2, 3]
 
 
-def test_what_ray_cannot_place_fails_naming_the_stage(tmp_path, no_orphans, no_ray_left):
+@pytest.mark.parametrize("asks", ["more_than_the_node_has", "what_another_stage_holds"])
+def test_what_ray_cannot_place_fails_naming_the_stage(asks, tmp_path, no_orphans, no_ray_left):
+    """More than the run's own one-node instance has: at once (nothing can join it). Resources another
+    stage holds: after placement.ready_timeout_s."""
     spec = chain(num_groups=2)
-    spec["placement"] = {"backend": "ray", "object_store_mib": 100, "ready_timeout_s": 5,
-                         "stages": {"sink": {"num_gpus": 1}}}
+    stages = {"sink": {"num_gpus": 1}} if asks == "more_than_the_node_has" else {
+        "source": {"num_cpus": 2}, "sink": {"num_cpus": 2}}
+    spec["placement"] = {"backend": "ray", "num_cpus": 2, "object_store_mib": 100, "ready_timeout_s": 5,
+                         "stages": stages}
     code, summary, err = molt_run(spec, tmp_path / "run")
-    assert code == 1 and summary["status"] == "failed" and summary["failed_stage"] == "sink", err[-3000:]
-    assert "stages.sink: Ray could not place 1 launcher(s) of {'GPU': 1.0} each (PACK) within 5 s" in summary["error"]
-    assert "hint: ask for less in placement.stages.sink, or add nodes" in summary["error"]
+    assert code == 1 and summary["status"] == "failed" and summary["failed_stage"] in stages, err[-3000:]
+    sid, bundle = summary["failed_stage"], "{'GPU': 1.0}" if asks == "more_than_the_node_has" else "{'CPU': 2.0}"
+    assert f"stages.{sid}: Ray could not place 1 launcher(s) of {bundle} each (PACK)" in summary["error"]
+    if asks == "more_than_the_node_has":
+        assert "on the one-node instance this run started (it has {'CPU': 2.0})" in summary["error"], summary
+    else:
+        assert "within 5 s (placement.ready_timeout_s); free: {} of {'CPU': 2.0}" in summary["error"], summary
+    assert f"hint: ask for less in placement.stages.{sid}, or add nodes" in summary["error"]
     assert "memory" not in summary["error"], "the free resources a stage can ask for, not Ray's memory keys"
 
 
