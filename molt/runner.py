@@ -242,12 +242,15 @@ class Runner:
             s = json.loads(f.read_text())
             if s["state"] == "failed":
                 statuses.append({"stage": f.stem, **s})
-        own = [s for s in statuses if not s["upstream"]] or statuses
-        if own:
-            first = min(own, key=lambda s: s["time"])
-            return {"stage": first["stage"], "error": first["error"]}
-        dead = next(p for p in self.procs if p.poll() not in (None, 0))
-        return {"stage": dead.name, "error": dead.failure() + _log_tail(dead.log_path)}
+        # 1) a stage's own failure  2) a process that died without a status (SIGKILL, a launcher)
+        # 3) failures caused by another stage (upstream errors, consumers gone)
+        own = [s for s in statuses if not s["upstream"]]
+        reported = {s["stage"].split(".rank")[0] for s in statuses}
+        dead = [p for p in self.procs if p.poll() not in (None, 0) and p.name not in reported]
+        if not own and dead:
+            return {"stage": dead[0].name, "error": dead[0].failure() + _log_tail(dead[0].log_path)}
+        first = min(own or statuses, key=lambda s: s["time"])
+        return {"stage": first["stage"], "error": first["error"]}
 
     def _finish(self, progress: Progress, wall_s: float) -> int:
         failure = self.failure or {}

@@ -62,6 +62,11 @@ class ProtocolError(Exception):
     """A malformed or unexpected message on an edge (names the edge and the peer)."""
 
 
+class ConsumerGoneError(ProtocolError):
+    """A consumer this producer sends to has gone (it failed, or was killed): a consequence of
+    another stage's failure, never the root cause (the runner names that stage)."""
+
+
 class UpstreamError(RuntimeError):
     """A producer stage failed and sent an error frame downstream."""
 
@@ -330,7 +335,7 @@ class OutputEdge:
             return await self.sock.send_multipart([peer.encode(), kind, payload], copy=False, track=track)
         except zmq.error.ZMQError as e:
             if self.spec.kind != "broadcast":
-                raise ProtocolError(f"{self.where}: cannot reach consumer {peer!r}: {e}") from None
+                raise ConsumerGoneError(f"{self.where}: cannot reach consumer {peer!r}: {e}") from None
             self.credits.pop(peer, None)  # a subscriber that left
             return None
 

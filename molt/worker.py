@@ -39,7 +39,7 @@ from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
 from molt.ports import InputPort, OutputPort
-from molt.transport import Barrier, EdgeSpec, UpstreamError, decode_batch, encode_batch
+from molt.transport import Barrier, ConsumerGoneError, EdgeSpec, UpstreamError, decode_batch, encode_batch
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_process(pipe, wiring, stage_id, int(replica), run_path, rank, world_size))
     except BaseException as exc:  # noqa: BLE001 - report any failure to the runner
         text = "".join(traceback.format_exception(exc))
-        write_status(run_path, name, "failed", text, upstream=isinstance(exc, UpstreamError))
+        # upstream: caused by another stage (its error frame, or a consumer that went away)
+        write_status(run_path, name, "failed", text, upstream=isinstance(exc, (UpstreamError, ConsumerGoneError)))
         print(text, file=sys.stderr, flush=True)
         return 1
     write_status(run_path, name, "done")

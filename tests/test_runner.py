@@ -214,3 +214,32 @@ def test_cpus_are_checked_when_the_pipeline_loads():
     spec["stages"]["sink"]["cpus"] = "zero"
     with pytest.raises(ValueError, match=r"stages.sink.cpus: .zero. is not an id list"):
         Pipeline.from_spec(spec)
+
+
+def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_consequence(tmp_path):
+    """CI saw source.0 named for boom.0's failure: boom's sockets closed before its status was
+    written, and the source, sending to it, failed first with 'cannot reach consumer' (a
+    ConsumerGoneError, reported as caused by another stage)."""
+    from molt.runner import Runner
+    from molt.worker import write_status
+
+    class FakeProc:
+        def __init__(self, name, code):
+            self.name, self.code, self.log_path = name, code, tmp_path / f"{name}.log"
+
+        def poll(self):
+            return self.code
+
+        def failure(self):
+            return f"{self.name} killed by signal SIGKILL"
+
+    runner = Runner.__new__(Runner)
+    runner.run_dir, runner.procs = tmp_path, [FakeProc("source.0", 1), FakeProc("boom.0", -9), FakeProc("sink.0", 1)]
+    write_status(tmp_path, "source.0", "failed", "cannot reach consumer 'boom.0'", upstream=True)
+    write_status(tmp_path, "sink.0", "failed", "upstream stage 'boom' failed", upstream=True)
+    assert runner._root_cause() == {"stage": "boom.0", "error": "boom.0 killed by signal SIGKILL"}
+    write_status(tmp_path, "boom.0", "failed", "RuntimeError: boom")
+    assert runner._root_cause() == {"stage": "boom.0", "error": "RuntimeError: boom"}
+    runner.procs = [FakeProc("source.0", 1), FakeProc("sink.0", 1)]
+    (tmp_path / "status" / "boom.0.json").unlink()
+    assert runner._root_cause()["stage"] == "source.0", "only consequences: the earliest"
