@@ -54,7 +54,7 @@ from molt.schema import schema_diff
 
 DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK = b"D", b"E", b"X", b"B", b"H", b"C", b"A"
 _KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK}
-END_ACK_TIMEOUT_S = 30.0  # = a stream edge's linger; longer only while a consumer has not yet read the end
+END_ACK_TIMEOUT_S = 30.0  # also a stream edge's linger; reached only while a consumer has not yet read the end
 EdgeKind = Literal["stream", "keyed", "broadcast"]
 
 
@@ -202,7 +202,7 @@ class OutputEdge:
         self.sock.setsockopt(zmq.RCVHWM, spec.hwm)
         # broadcast: 5 s, enough to flush the end of stream to live subscribers (with 0 a producer that exits
         # right after its last send dropped it, and a subscriber waited forever), short for departed ones
-        self.sock.setsockopt(zmq.LINGER, 5_000 if spec.kind == "broadcast" else 30_000)
+        self.sock.setsockopt(zmq.LINGER, 5_000 if spec.kind == "broadcast" else int(END_ACK_TIMEOUT_S * 1000))
         endpoint = spec.endpoints[replica]
         if spec.curve is not None:
             make_server(self.sock, run_keys(spec.curve))
