@@ -6,18 +6,22 @@ where PNG is a ``data:image/png;base64,...`` URL (or ``data:image/jpeg``), so ta
 and metadata stay JSON. :func:`image_part` makes one from encoded bytes.
 
 **Tokens.** The chat template sees each image as the processor's placeholder text
-(``<image>``); :class:`VisionProcessor` expands each placeholder token into the
-``tokens_per_image`` image tokens the model fills with its features (LLaVA: one per
-patch), so ``token_ids`` [T] hold exactly the tokens the model's forward sees.
+(LLaVA ``<image>``; Qwen-VL ``<|vision_start|><|image_pad|><|vision_end|>``);
+:class:`VisionProcessor` expands each image token into that image's image tokens, which
+the model fills with its features (LLaVA: a fixed count, one per patch; Qwen-VL: a count
+that follows the image's resolution), so ``token_ids`` [T] hold exactly the tokens the
+model's forward sees.
 
 **Records.** Column ``images`` holds the encoded bytes of the row's images in order,
-``image_token_positions`` [num_images * tokens_per_image] the positions of their
-tokens in ``token_ids``. `VisionProcessor.check` refuses a row whose image tokens do
-not match its images (naming the sample); a sequence cut inside an image is refused
-the same way (a cut image has too few tokens).
+``image_token_positions`` [total image tokens] the positions of their tokens in
+``token_ids``. `VisionProcessor.check` refuses a row whose image tokens do not match its
+images (naming the sample); a sequence cut inside an image is refused the same way (a
+cut image has too few tokens).
 
-**Pixels.** `VisionProcessor.pixel_values` runs the model's image processor
-(transformers' PIL backend, no torchvision): images -> float32 [N, 3, H, W].
+**Model inputs.** `VisionProcessor.model_inputs` runs the model's image processor
+(transformers' PIL backend where torchvision is absent): ``pixel_values`` and, for
+Qwen-VL, ``image_grid_thw``. Qwen-VL models also place tokens with multimodal RoPE
+(`mrope_positions`), which the trainer computes per packed row.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,63 +87,113 @@ def flatten_messages(messages: Sequence[dict[str, Any]], placeholder: str | None
 
 
 class VisionProcessor:
-    """A vision-language model's processor: its image token, image tokens per image, pixels.
+    """A vision-language model's image tokens and image processor.
 
-    Loaded from the model folder's ``processor_config.json`` (``AutoProcessor``); the
-    model's ``config.json`` gives ``image_token_id`` (or ``image_token_index``).
+    Read from the model folder: ``config.json`` gives ``image_token_id`` (LLaVA:
+    ``image_token_index``) and, for the Qwen-VL family, ``vision_start_token_id`` /
+    ``vision_end_token_id``, which the placeholder text wraps around the image token;
+    the image processor is transformers' ``AutoImageProcessor`` of the folder (its PIL
+    backend where torchvision is absent). Image tokens per image:
+
+    - fixed (LLaVA): ``image_seq_length`` of config.json (one token per patch);
+    - by resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an image processor with
+      ``merge_size``): each image is resized to multiples of ``patch_size * merge_size``
+      within the processor's pixel bounds, cut into a (t, h, w) grid of patches, and each
+      ``merge_size`` x ``merge_size`` block of patches is one token:
+      ``t * h * w / merge_size**2`` (Qwen2-VL, Wang et al. 2024, arXiv 2409.12191, sec. 2.1).
+      Example: patch 16, merge 2, a 64x64 picture resized to 256x256 (the minimum area
+      65,536 px): grid (1, 16, 16), 64 tokens.
 
     Raises:
-        ValueError: a processor without a fixed number of image tokens per image (naming the folder).
+        ValueError: a folder whose config.json has no image token id, or whose tokens per
+            image can be found neither way (naming the folder).
     """
 
     def __init__(self, model_dir: str | Path) -> None:
         import json
 
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoTokenizer
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.processor = AutoProcessor.from_pretrained(str(model_dir))
-        self.image_token_id = int(config.get("image_token_id", config.get("image_token_index")))
-        count = getattr(self.processor, "num_image_tokens", None) or config.get("image_seq_length")
-        if count is None or getattr(self.processor, "image_token", None) is None:
-            raise ValueError(f"{model_dir}: the processor ({type(self.processor).__name__}) has no fixed number of "
-                             "image tokens per image (image_seq_length); Molt supports LLaVA-style processors, not "
-                             "dynamic resolution (e.g. Qwen-VL) yet")
-        self.tokens_per_image, self.placeholder = int(count), str(self.processor.image_token)
+        token_id = config.get("image_token_id", config.get("image_token_index"))
+        if token_id is None:
+            raise ValueError(f"{model_dir}/config.json: a vision-language model needs image_token_id (or "
+                             "image_token_index); hint: a LLaVA- or Qwen-VL-style folder")
+        self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        self.image_token_id = int(token_id)
+        fixed = config.get("image_seq_length")
+        self.merge_size: int | None = getattr(self.image_processor, "merge_size", None)
+        if fixed is None and self.merge_size is None:
+            raise ValueError(f"{model_dir}: neither image_seq_length in config.json nor an image processor with "
+                             f"merge_size ({type(self.image_processor).__name__}); hint: Molt supports LLaVA- and "
+                             "Qwen-VL-style processors")
+        self.tokens_per_image: int | None = int(fixed) if self.merge_size is None and fixed is not None else None
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        wrap = [config.get("vision_start_token_id"), token_id, config.get("vision_end_token_id")]
+        self.placeholder = "".join(tokenizer.convert_ids_to_tokens([int(t) for t in wrap if t is not None]))
 
     @staticmethod
     def of(model_dir: str | Path) -> VisionProcessor | None:
-        """The processor of a vision-language folder, None for a text-only one (no ``processor_config.json``)."""
-        return VisionProcessor(model_dir) if (Path(model_dir) / "processor_config.json").is_file() else None
+        """The processor of a vision-language folder (config.json with a ``vision_config``), None for a
+        text-only one."""
+        import json
 
-    def expand(self, token_ids: Sequence[int]) -> list[int]:
-        """[T'] ids with each image token repeated ``tokens_per_image`` times."""
+        path = Path(model_dir) / "config.json"
+        is_vlm = path.is_file() and "vision_config" in json.loads(path.read_text())
+        return VisionProcessor(model_dir) if is_vlm else None
+
+    def token_counts(self, images: Sequence[bytes]) -> list[int]:
+        """[N] image tokens of each encoded image (class docstring)."""
+        if self.merge_size is None:
+            return [int(self.tokens_per_image or 0)] * len(images)
+        sizes = [image.size for image in decode_images(images)]  # (width, height)
+        return [self.image_processor.get_number_of_image_patches(h, w, {}) // self.merge_size ** 2
+                for w, h in sizes]
+
+    def expand(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
+        """[T'] ids with the k-th image token repeated as many times as image k has tokens.
+
+        Raises:
+            ValueError: the ids hold another number of image tokens than ``images``.
+        """
+        counts = self.token_counts(images)
+        if sum(t == self.image_token_id for t in token_ids) != len(counts):
+            raise ValueError(f"{sum(t == self.image_token_id for t in token_ids)} image placeholders for "
+                             f"{len(counts)} image(s); hint: every image part renders one placeholder")
         out: list[int] = []
+        image = iter(counts)
         for token in token_ids:
-            out += [token] * (self.tokens_per_image if token == self.image_token_id else 1)
+            out += [token] * (next(image) if token == self.image_token_id else 1)
         return out
 
-    def collapse(self, token_ids: Sequence[int]) -> list[int]:
-        """[T'] ids with each image's ``tokens_per_image`` tokens back to one placeholder (what vLLM
-        expands itself). Assumes `check` passed."""
-        out, run = [], 0
+    def collapse(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
+        """[T'] ids with each image's tokens back to one placeholder (what vLLM expands itself).
+        Assumes `check` passed."""
+        out, left = [], 0
+        counts = iter(self.token_counts(images))
         for token in token_ids:
-            run = run + 1 if token == self.image_token_id else 0
-            if token != self.image_token_id or run % self.tokens_per_image == 1 % self.tokens_per_image:
+            if token != self.image_token_id:
                 out.append(token)
+                continue
+            if left == 0:
+                out.append(token)
+                left = next(counts)
+            left -= 1
         return out
 
     def positions(self, token_ids: Sequence[int]) -> list[int]:
-        """[num_images * tokens_per_image] positions of image tokens in ``token_ids``."""
+        """[total image tokens] positions of image tokens in ``token_ids``."""
         return [i for i, t in enumerate(token_ids) if t == self.image_token_id]
 
-    def check(self, token_ids: Sequence[int], num_images: int, sample: str) -> None:
-        """Refuse ids whose image tokens do not form ``num_images`` whole images of ``tokens_per_image``.
+    def check(self, token_ids: Sequence[int], images: Sequence[bytes], sample: str) -> list[int]:
+        """Refuse ids whose image tokens do not split, run by run and in order, into the images' tokens;
+        return `token_counts` of ``images``.
 
         Raises:
-            ValueError: naming ``sample``, the count of image tokens and the number expected
+            ValueError: naming ``sample``, the count of image tokens and the counts expected
                 (e.g. a sequence truncated inside an image, or an image without its tokens).
         """
+        counts = self.token_counts(images)
         runs, run = [], 0
         for token in [*token_ids, None]:
             if token == self.image_token_id:
@@ -146,17 +201,46 @@ class VisionProcessor:
             elif run:
                 runs.append(run)
                 run = 0
-        expected = num_images * self.tokens_per_image
-        if sum(runs) != expected or any(r % self.tokens_per_image for r in runs):
+        queue = list(reversed(counts))
+        for run in runs:  # a run holds one or more whole images (LLaVA's placeholders may touch)
+            while run > 0 and queue and queue[-1] <= run:
+                run -= queue.pop()
+            if run:
+                break
+        if sum(runs) != sum(counts) or queue or run:
+            each = f"of {counts[0]} tokens each" if len(set(counts)) == 1 else f"of {counts} tokens"
             raise ValueError(f"sample {sample!r}: {sum(runs)} image tokens (id {self.image_token_id}) for "
-                             f"{num_images} image(s) of {self.tokens_per_image} tokens each (expected {expected}); "
+                             f"{len(counts)} image(s) {each} (expected {sum(counts)}); "
                              "hint: a sequence must not be cut inside an image, and every image needs its "
                              "placeholder")
+        return counts
 
-    def pixel_values(self, images: Sequence[bytes]) -> torch.Tensor:
-        """float32 [N, 3, H, W] pixels of encoded images, by the model's image processor."""
-        pixels = self.processor.image_processor(images=decode_images(images), return_tensors="pt")
-        return pixels["pixel_values"].float()
+    def model_inputs(self, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
+        """The model's image inputs, by its image processor: ``pixel_values`` float32 (LLaVA
+        [N, 3, H, W]; Qwen-VL [sum of patches, 3 * t * p * p]) and, by resolution,
+        ``image_grid_thw`` int64 [N, 3]."""
+        out = self.image_processor(images=decode_images(images), return_tensors="pt")
+        inputs = {"pixel_values": out["pixel_values"].float()}
+        if "image_grid_thw" in out:
+            inputs["image_grid_thw"] = out["image_grid_thw"].long()
+        return inputs
+
+
+def mrope_positions(rope_index: Any, token_ids: torch.Tensor, image_token_id: int,
+                    image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """[3, T] (temporal, height, width) rotary positions of one sequence of a Qwen-VL model.
+
+    Multimodal RoPE (Qwen2-VL, arXiv 2409.12191, sec. 2.1): a text token advances all
+    three by 1; an image's tokens take (s, s + i, s + j) at grid row i, column j, where s
+    is the position after the text before it, and the text after it resumes at
+    s + max(h, w) / merge_size. Computed by the model's own ``get_rope_index`` (``rope_index``)
+    so trainer and engine use the model's definition. ``token_ids`` [T]; ``image_grid_thw``
+    [N, 3] of the sequence's images in order.
+    """
+    ids = token_ids[None]  # [1, T]
+    types = (ids == image_token_id).int()  # 1 = image token (mm_token_type_ids)
+    positions, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw)
+    return positions[:, 0]
 
 
 def decode_images(images: Sequence[bytes]) -> list[Any]:
@@ -174,21 +258,37 @@ def row_images(batch: Any) -> list[tuple[bytes, ...]]:
     return [tuple(images or ()) for images in batch.column("images").to_pylist()]
 
 
-def packed_pixel_values(vision: VisionProcessor | None, rows: Sequence[Sequence[int]],
-                        images: Sequence[Sequence[bytes] | None], sample_ids: Sequence[str],
-                        token_index: torch.Tensor) -> torch.Tensor | None:
-    """float32 [N, 3, H, W] pixels of the images of a packed micro-batch, in packed order; None without images.
+@dataclass(frozen=True)
+class VisionInputs:
+    """The images of a packed micro-batch, for the model's forward.
+
+    ``tensors``: the model's image inputs (`VisionProcessor.model_inputs`) of the distinct
+    images in packed order; ``row_images`` [R] the index, in that order, of each row's
+    images (for per-row positions, `mrope_positions`).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    row_images: list[list[int]]
+
+
+def packed_vision_inputs(vision: VisionProcessor | None, rows: Sequence[Sequence[int]],
+                         images: Sequence[Sequence[bytes] | None], sample_ids: Sequence[str],
+                         token_index: torch.Tensor) -> VisionInputs | None:
+    """The `VisionInputs` of a packed micro-batch; None without images.
 
     ``rows`` [R] token ids, ``images`` [R] each row's encoded images (None = none), and
     ``token_index`` [sum of row lengths] the packed position of every row token
     (molt.train.packing.PackedSequence): an image shared by rows whose prompt is forwarded
     once sits at one packed position and is given once.
+    Example: rows A, B share a prompt with image red, row C has blue -> images [red, blue],
+    row_images [[0], [0], [1]].
 
     Raises:
         ValueError: naming the sample, when a row's image tokens do not match its images
             (`VisionProcessor.check`) or a text-only model gets images.
     """
-    found: dict[int, bytes] = {}
+    found: dict[int, bytes] = {}  # packed position of an image's first token -> the image
+    firsts: list[list[int]] = []
     offset = 0
     for row, row_images, sample in zip(rows, images, sample_ids):
         row_images = row_images or []
@@ -198,11 +298,15 @@ def packed_pixel_values(vision: VisionProcessor | None, rows: Sequence[Sequence[
                                  "model; hint: train a vision-language model")
             offset += len(row)
             continue
-        vision.check(row, len(row_images), sample)
+        counts = vision.check(row, row_images, sample)
         positions = vision.positions(row)
-        for k, data in enumerate(row_images):
-            found.setdefault(int(token_index[offset + positions[k * vision.tokens_per_image]]), data)
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        firsts.append([int(token_index[offset + positions[start]]) for start in starts])
+        for first, data in zip(firsts[-1], row_images):
+            found.setdefault(first, data)
         offset += len(row)
     if vision is None or not found:
         return None
-    return vision.pixel_values([found[p] for p in sorted(found)])
+    order = {position: k for k, position in enumerate(sorted(found))}
+    return VisionInputs(vision.model_inputs([found[p] for p in sorted(found)]),
+                        [[order[p] for p in row] for row in firsts])

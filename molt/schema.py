@@ -52,8 +52,8 @@ TRAJECTORY_FIELDS: tuple[pa.Field, ...] = (
     _field("finish_reason", pa.string(), "why generation stopped: stop, length, abort, error, ..."),
     _field("images", pa.list_(pa.binary()), "encoded images (PNG/JPEG bytes) of the row, in order; null: none"),
     _field("image_token_positions", _I32_LIST,
-           "[num_images * tokens_per_image] positions in token_ids of the images' tokens, which the model's "
-           "processor expanded from one placeholder each (molt.multimodal)"),
+           "[total image tokens] positions in token_ids of the images' tokens, which the model's "
+           "processor expanded from one placeholder each, as many as each image has (molt.multimodal)"),
     _field("routed_experts", pa.binary(),
            "[T, L, K] int16 (little-endian, C order) expert ids the engine routed each token to "
            "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k"),

@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from molt.agents import ChatTemplate
 from molt.agents.episode import Segment
 from molt.engines.base import SamplingParams
-from molt.multimodal import VisionProcessor, image_part, packed_pixel_values
+from molt.multimodal import VisionProcessor, image_part, packed_vision_inputs
 from molt.train.packing import pack_sequences
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -100,15 +100,15 @@ def test_an_image_whose_placeholder_count_mismatches_is_refused_naming_the_sampl
     ids = chat.prompt_ids(ask(red))
     cut = ids[:ids.index(vision.image_token_id) + 5]  # truncated inside the image
     with pytest.raises(ValueError, match=r"sample 'p/0': 5 image tokens .* 1 image\(s\) of 16 tokens"):
-        vision.check(cut, 1, "p/0")
+        vision.check(cut, [red], "p/0")
     rows = [ids, ids]
     packed = pack_sequences(rows)
     with pytest.raises(ValueError, match=r"sample 'two': 16 image tokens .* 2 image\(s\)"):
-        packed_pixel_values(vision, rows, [[red], [red, red]], ["one", "two"], packed.token_index)
+        packed_vision_inputs(vision, rows, [[red], [red, red]], ["one", "two"], packed.token_index)
     with pytest.raises(ValueError, match=r"sample 'none': 16 image tokens .* 0 image\(s\)"):
-        packed_pixel_values(vision, rows, [[red], None], ["one", "none"], packed.token_index)
+        packed_vision_inputs(vision, rows, [[red], None], ["one", "none"], packed.token_index)
     with pytest.raises(ValueError, match=r"sample 'one': 1 image\(s\) \(column images\) for a text-only model"):
-        packed_pixel_values(None, rows, [[red], None], ["one", "none"], packed.token_index)
+        packed_vision_inputs(None, rows, [[red], None], ["one", "none"], packed.token_index)
     with pytest.raises(ValueError, match="no image processor"):  # a text-only template refuses image parts
         ChatTemplate(chat.tok).prompt_ids(ask(red))
     with pytest.raises(ValueError, match=r"prompt 'p0': \d+ tokens .* exceed max_tokens 40; .* never cut"):
@@ -154,14 +154,21 @@ def test_rows_with_the_same_prompt_tokens_but_other_images_never_share_a_prompt_
     assert [(length, prefix) for length, prefix, _ in packed.segments][0][1] == len(prompt)  # rows 0 and 2 share
     assert sum(length for length, _, _ in packed.segments) == len(prompt) * 2 + len(answer) * 2 + 2
     model = load_policy(tiny_vlm, temperature=1.0).eval()
-    pixels = packed_pixel_values(model.vision, rows, images, ["a", "b", "c"], packed.token_index)
-    assert pixels is not None and pixels.shape == (2, 3, 64, 64)  # red once (shared), blue once
+    vision = packed_vision_inputs(model.vision, rows, images, ["a", "b", "c"], packed.token_index)
+    assert vision is not None and vision.tensors["pixel_values"].shape == (2, 3, 64, 64)  # red once (shared), blue
+    assert vision.row_images == [[0], [1], [0]]
     with torch.no_grad():
-        logp = model(packed.input_ids, packed.position_ids, packed, masks, pixels)
-        alone = [model(torch.tensor([r]), torch.arange(len(r))[None], pack_sequences([r]), [m],
-                       model.vision.pixel_values(i)) for r, m, i in zip(rows, masks, images)]
+        logp = model(packed.input_ids, packed.position_ids, packed, masks, vision)
+        alone = [row_logprobs(model, r, i, m) for r, m, i in zip(rows, masks, images)]
     assert torch.allclose(logp, torch.cat(alone), atol=1e-5)
     assert not torch.allclose(alone[0], alone[1], atol=1e-4)  # the image changes the answer's logprobs
+
+
+def row_logprobs(model, row: list[int], images: list[bytes], mask: list[bool] | None = None) -> torch.Tensor:
+    """[T] logprobs of one row's tokens (0 at the first; only ``mask``'s tokens when given) with its images."""
+    packed = pack_sequences([row])
+    vision = packed_vision_inputs(model.vision, [row], [images], ["row"], packed.token_index)
+    return model(packed.input_ids, packed.position_ids, packed, None if mask is None else [mask], vision)
 
 
 def sft_rows(model_dir: Path, colours: dict[str, tuple[int, int, int]], max_tokens: int = 256) -> list[dict]:
@@ -281,8 +288,7 @@ def test_vllm_and_the_trainer_agree_on_image_conditioned_tokens_and_routing(vllm
         assert routed is not None and routed.shape[0] == len(seg.token_ids)
         assert (routed[row["image_token_positions"]] >= 0).all()  # image tokens went through the experts too
         with torch.no_grad():
-            logp = model(torch.tensor([seg.token_ids]), torch.arange(len(seg.token_ids))[None],
-                         pixel_values=model.vision.pixel_values(row["images"]))
+            logp = row_logprobs(model, seg.token_ids, row["images"])
         mask = torch.tensor(seg.loss_mask)
         diffs.append((logp[mask] - torch.tensor(seg.rollout_logprobs)[mask]).abs().max().item())
     assert max(diffs) <= 1e-3, diffs  # the text path's fp32 agreement
@@ -324,8 +330,7 @@ def test_a_vlm_refit_is_verified_and_serves_the_trained_weights(vllm_session, vl
         full = ids + out.token_ids
         model.eval()
         with torch.no_grad():
-            logp = model(torch.tensor([full]), torch.arange(len(full))[None],
-                         pixel_values=model.vision.pixel_values([png((0, 0, 255))]))[len(ids):]
+            logp = row_logprobs(model, full, [png((0, 0, 255))])[len(ids):]
         assert (logp - torch.tensor(out.logprobs)).abs().max().item() <= 1e-3  # the trained tower and projector
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -10,7 +10,7 @@ works; one that rewrites them (e.g. drops earlier reasoning) raises, and the
 caller starts a new segment.
 
 Images (a vision-language model, ``vision`` given): image parts of messages render as
-the processor's placeholder and each placeholder token becomes the model's image tokens
+the processor's placeholder and each placeholder token becomes that image's image tokens
 (molt.multimodal); ``images(messages)`` returns their encoded bytes in the same order.
 """
 
@@ -54,14 +54,15 @@ class ChatTemplate:
         """Encoded bytes of the messages' image parts, in order (molt.multimodal)."""
         return flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")[1]
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of template text (special tokens parsed, no BOS added; image tokens expanded)."""
+    def encode(self, text: str, images: list[bytes] | None = None) -> list[int]:
+        """Token ids of template text (special tokens parsed, no BOS added), each image placeholder
+        expanded into the tokens of the next of ``images`` (molt.multimodal)."""
         ids = list(self.tok.encode(text, add_special_tokens=False))
-        return self.vision.expand(ids) if self.vision is not None else ids
+        return self.vision.expand(ids, images or []) if self.vision is not None else ids
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """[P] token ids of the opening messages plus the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.encode(self.render(messages, add_generation_prompt=True), self.images(messages))
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens (for the env and graders only, never for training)."""
@@ -87,4 +88,4 @@ class ChatTemplate:
         closing = before[before.rindex(_PROBE) + len(_PROBE):]  # what follows assistant content
         if ended_with_eos and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text):]  # the engine generated the EOS itself
-        return self.encode(closing + after[len(before):])
+        return self.encode(closing + after[len(before):], self.images(new))

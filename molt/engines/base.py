@@ -149,8 +149,8 @@ class Engine(abc.ABC):
         """Sample one completion of `prompt_token_ids` [P].
 
         ``images``: encoded images (PNG/JPEG bytes) of a vision-language model's prompt,
-        in order; ``prompt_token_ids`` hold each image's ``tokens_per_image`` image tokens
-        (molt.multimodal), exactly as the model's forward sees them.
+        in order; ``prompt_token_ids`` hold each image's image tokens (their count per image:
+        `molt.multimodal.VisionProcessor.token_counts`), exactly as the model's forward sees them.
 
         Raises:
             ValueError: for an empty prompt, a request id already in flight, or image

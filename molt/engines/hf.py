@@ -9,6 +9,14 @@ default, so its recorded logprobs are those of the distribution it sampled:
 
 With temperature 0 it takes argmax(logits) and records log_softmax(logits)[token].
 
+Vision-language folders (molt.multimodal) load as ``AutoModelForImageTextToText``; a
+request's images enter its first forward through the model's image processor. A model
+with multimodal RoPE (Qwen-VL) gets explicit position ids on every forward: the prompt's
+(t, h, w) positions (molt.multimodal.mrope_positions, as the trainer computes them) and,
+for each later token, its cache position plus the prompt's offset (max position + 1 - P),
+kept per request; the model's own cached offset would be another request's when
+requests interleave.
+
 Seeding: a request with `seed=s` samples from a torch generator seeded with
 blake2b(f"{s}/{request_id}"), so the same (seed, request_id) reproduces the
 same completion across runs, and n samples of one prompt sent with one seed
@@ -26,10 +34,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
-from molt.engines.weights import check_weights_file, tensor_digest
+from molt.engines.weights import check_weights_file, checkpoint_layout, checkpoint_shapes, tensor_digest
+from molt.multimodal import VisionProcessor, mrope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +73,8 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator
     past: Any = None
+    vision_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # for the first forward
+    rope: torch.Tensor | None = None  # [3, P] multimodal RoPE positions of the prompt (Qwen-VL)
     aborted: bool = False
     routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [N, L, k] per forward
     completion: Completion = dataclasses.field(
@@ -85,8 +96,12 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", policy_version: int = 0, record_routing: bool = False) -> None:
+        self.vision = VisionProcessor.of(model) if isinstance(model, str) else None
+        self._checkpoint_shapes = checkpoint_shapes(model) if isinstance(model, str) else {}
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+            auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
+            model = auto.from_pretrained(model, dtype=dtype)
+        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)  # Qwen-VL
         self._model: PreTrainedModel | None = model.to(device).eval()  # type: ignore[arg-type]
         self._device = torch.device(device)
         self._eos_ids = eos_token_ids(model)
@@ -114,17 +129,17 @@ class TransformersEngine(Engine):
         """Sample one completion token by token; see `Engine.generate`.
 
         Raises:
-            ValueError: also for ``images``: this engine runs text-only models.
+            ValueError: also for ``images`` given to a text-only model or not matching the prompt's
+                image tokens (molt.multimodal.VisionProcessor.check).
         """
         check_prompt(request_id, prompt_token_ids)
-        if images:
-            raise ValueError(f"request {request_id!r}: the transformers engine is text-only; got {len(images)} "
-                             "image(s); hint: use engine type vllm for a vision-language model")
         self._check_open()
         if request_id in self._requests:
             raise ValueError(f"request id already in flight; got {request_id!r}; "
                              "hint: give every sample its own id, e.g. 'prompt/3'")
         request = _Request(list(prompt_token_ids), params, self._generator(request_id, params))
+        if images or self.vision is not None:
+            self._prepare_images(request, request_id, images)
         self._requests[request_id] = request
         try:
             completion = await self._decode_loop(request)
@@ -137,6 +152,18 @@ class TransformersEngine(Engine):
             routed[:len(done)] = done
             completion.routed_experts = routed.numpy()
         return completion
+
+    def _prepare_images(self, request: _Request, request_id: str, images: Sequence[bytes]) -> None:
+        """Check a request's image tokens, make its image inputs and (Qwen-VL) its prompt's positions."""
+        if self.vision is None:
+            raise ValueError(f"request {request_id!r}: {len(images)} image(s) for a text-only model; hint: use a "
+                             "vision-language model")
+        self.vision.check(request.prompt_token_ids, images, request_id)
+        request.vision_inputs = self.vision.model_inputs(images) if images else {}
+        if self._rope_index is not None:
+            grids = request.vision_inputs.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+            request.rope = mrope_positions(self._rope_index, torch.tensor(request.prompt_token_ids),
+                                           self.vision.image_token_id, grids)
 
     async def _decode_loop(self, request: _Request) -> Completion:
         """Run decode steps until stop, length or abort; return the completion."""
@@ -167,8 +194,15 @@ class TransformersEngine(Engine):
         assert model is not None, "closed engines end requests before stepping"
         new_ids = request.completion.token_ids[-1:] or request.prompt_token_ids
         input_ids = torch.tensor([new_ids], device=self._device)  # [1, N]
+        kwargs: dict[str, Any] = {name: t.to(self._device) for name, t in request.vision_inputs.items()}
+        request.vision_inputs = {}  # the images enter the first forward only
+        if request.rope is not None:  # [4, 1, N]: cache positions over (t, h, w) positions
+            start = len(request.prompt_token_ids) + len(request.completion.token_ids) - len(new_ids)
+            text = torch.arange(start, start + len(new_ids))[None]  # [1, N]
+            rope = request.rope if start == 0 else text + (request.rope.max() + 1 - len(request.prompt_token_ids))
+            kwargs["position_ids"] = torch.cat([text, rope.expand(3, -1)])[:, None].to(self._device)
         self._routed = []
-        out = model(input_ids=input_ids, past_key_values=request.past, use_cache=True)
+        out = model(input_ids=input_ids, past_key_values=request.past, use_cache=True, **kwargs)
         request.past = out.past_key_values
         if self._routed:
             request.routing.append(torch.stack(self._routed, dim=1).to(torch.int16).cpu())  # [N, L, k]
@@ -192,9 +226,15 @@ class TransformersEngine(Engine):
         return torch.log_softmax(logits, -1).gather(-1, input_ids[0, 1:, None])[:, 0].tolist()
 
     def source_weight_digests(self) -> dict[str, str]:
-        """Digests of the model's current state dict (before a load: the weights it started with)."""
+        """Digests of the model's current weights under their checkpoint names and layout, as the trainer
+        exports them (transformers' ``revert_weight_conversion``, then the folder's `checkpoint_layout`);
+        before a load: the weights it started with."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         assert self._model is not None, "engine is closed"
-        return {name: tensor_digest(t) for name, t in self._model.state_dict().items()}
+        state = revert_weight_conversion(self._model, dict(self._model.state_dict()))
+        return {name: tensor_digest(checkpoint_layout(t, self._checkpoint_shapes.get(name)))
+                for name, t in state.items()}
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         """A generator seeded from (seed, request_id), or freshly when seed is None."""
@@ -242,15 +282,32 @@ class TransformersEngine(Engine):
         logger.info("loaded weights version %d from %s", version, path)
 
     def _copy_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """load_state_dict, refusing unknown names and missing untied ones."""
-        assert self._model is not None
-        missing, unexpected = self._model.load_state_dict(state, strict=False)
-        loaded_ptrs = {p.data_ptr() for n, p in self._model.state_dict().items() if n in state}
-        params = self._model.state_dict()
-        untied_missing = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
-        if unexpected or untied_missing:
+        """Load checkpoint-named (and -laid-out) weights through transformers' own loader, which
+        converts them to the model's layout (e.g. a MoE's per-expert or transposed experts into its
+        fused ones) as ``from_pretrained`` does; tied weights are tied again.
+
+        Raises:
+            ValueError: unknown names, wrong shapes, or untied parameters the file lacks.
+        """
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        model = self._model
+        assert model is not None
+        dtype = next(model.parameters()).dtype
+        mapping: Any = get_model_conversion_mapping(model, None, None)  # converters and renamings
+        config = LoadStateDictConfig(weight_mapping=mapping)
+        info, _ = convert_and_load_state_dict_in_model(model, {k: v.to(dtype) for k, v in state.items()}, config)
+        model.tie_weights()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded = {params[n].data_ptr() for n in params if n not in info.missing_keys}
+        untied_missing = sorted(n for n in info.missing_keys if n in params and params[n].data_ptr() not in loaded)
+        if info.unexpected_keys or untied_missing or info.mismatched_keys or info.conversion_errors:
             raise ValueError("weights file does not match the model; got unexpected "
-                             f"{sorted(unexpected)[:5]} and missing {untied_missing[:5]}; "
+                             f"{sorted(info.unexpected_keys)[:5]}, missing {untied_missing[:5]}, wrong shapes "
+                             f"{sorted(info.mismatched_keys)[:5]}, conversion errors "
+                             f"{list(info.conversion_errors)[:5]}; "
                              "hint: export full HF-named weights of the same architecture")
 
     def close(self) -> None:

@@ -164,8 +164,8 @@ class VLLMEngine(Engine):
             if self.vision is None:
                 raise ValueError(f"request {request_id!r}: {len(images)} image(s) for the text-only model "
                                  f"{self._model_dir}; hint: use a vision-language model")
-            self.vision.check(prompt_token_ids, len(images), request_id)
-            engine_ids = self.vision.collapse(prompt_token_ids)
+            self.vision.check(prompt_token_ids, images, request_id)
+            engine_ids = self.vision.collapse(prompt_token_ids, images)
         llm = self._check_open()
         if request_id in self._in_flight:
             raise ValueError(f"request id already in flight; got {request_id!r}; "

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt.multimodal import VisionProcessor
+from molt.engines.weights import checkpoint_layout, checkpoint_shapes
+from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions
 from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
@@ -107,6 +108,7 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
         self.router_probe = RouterProbe(lm) if routers(lm) else None
+        self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
 
     @property
     def shares_prompts(self) -> bool:
@@ -115,7 +117,8 @@ class PolicyModel(nn.Module):
         return bool(getattr(text_config, "_attn_implementation", None) == PACKED_SDPA)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, packed: PackedSequence | None = None,
-                loss_masks: Sequence[Sequence[bool]] | None = None, pixel_values: Tensor | None = None) -> Tensor:
+                loss_masks: Sequence[Sequence[bool]] | None = None,
+                vision_inputs: VisionInputs | None = None) -> Tensor:
         """Next-token logprobs, fp32, on the model's device.
 
         Without ``packed``: logp [S] of token t given the tokens before it in its own row
@@ -125,8 +128,10 @@ class PolicyModel(nn.Module):
         ``position_ids`` are the first two arguments): logp [sum of row lengths], rows in
         order, following ``packed.segments`` (shared prompts forwarded once); only the
         ``loss_masks`` tokens are projected onto the vocabulary (others are 0).
-        ``pixel_values`` [N, 3, H, W]: the images whose tokens ``input_ids`` hold, in order
-        (a vision-language model; molt.multimodal.VisionProcessor.pixel_values).
+        ``vision_inputs``: the images whose tokens ``input_ids`` hold (a vision-language model
+        and ``packed``; molt.multimodal.packed_vision_inputs). A model with multimodal RoPE
+        (Qwen-VL) gets position ids [4, 1, S]: the packed positions (row boundaries for
+        attention) over each row's (t, h, w) positions (`mrope_packed`).
         """
         device = next(self.parameters()).device
         if packed is None:
@@ -135,9 +140,12 @@ class PolicyModel(nn.Module):
             kwargs = {"molt_segments": packed.attention_masks(device)}
         else:
             kwargs = {"molt_row_lengths": [length for length, _, _ in packed.segments]}
+        if vision_inputs is not None:
+            assert packed is not None, "images are placed by a PackedSequence"
+            kwargs.update({name: t.to(device) for name, t in vision_inputs.tensors.items()})
+            rope = self.mrope_packed(packed, vision_inputs)
+            position_ids = position_ids if rope is None else torch.cat([position_ids[None], rope])
         input_ids, position_ids = input_ids.to(device), position_ids.to(device)
-        if pixel_values is not None:
-            kwargs["pixel_values"] = pixel_values.to(device)
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids,  # type: ignore[operator]
                                use_cache=False, **kwargs).last_hidden_state[0]  # [S, H]
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]
@@ -148,6 +156,23 @@ class PolicyModel(nn.Module):
         pred, target, slot = (t.to(device) for t in packed.targets(loss_masks))
         logp = target_logprobs(hidden[pred], weight, target, self.temperature, self.chunk_tokens)
         return torch.zeros(sum(packed.lengths), device=device).index_put((slot,), logp)
+
+    def mrope_packed(self, packed: PackedSequence, vision_inputs: VisionInputs) -> Tensor | None:
+        """[3, 1, S] multimodal RoPE positions of a packed sequence (molt.multimodal.mrope_positions of
+        each row, written at its packed positions: a shared prompt gets the same values from each of
+        its rows); None for a model without multimodal RoPE."""
+        rope_index = getattr(self.lm.model, "get_rope_index", None)
+        grids = vision_inputs.tensors.get("image_grid_thw")
+        if rope_index is None or grids is None or self.vision is None:
+            return None
+        out = torch.zeros(3, packed.input_ids.shape[1], dtype=torch.long)  # [3, S]
+        offset = 0
+        for length, images in zip(packed.lengths, vision_inputs.row_images):
+            index = packed.token_index[offset:offset + length]
+            out[:, index] = mrope_positions(rope_index, packed.input_ids[0, index], self.vision.image_token_id,
+                                            grids[images])
+            offset += length
+        return out[:, None]
 
 
 def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
@@ -168,7 +193,9 @@ def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1
     text = lm.config.get_text_config()
     if supports_packed_sdpa(text) and text._attn_implementation == "sdpa":
         lm.set_attn_implementation({"text_config": register_packed_sdpa()} if vision else register_packed_sdpa())
-    return PolicyModel(lm, temperature, chunk_tokens, vision).train()
+    model = PolicyModel(lm, temperature, chunk_tokens, vision)
+    model.checkpoint_shapes = checkpoint_shapes(model_dir)  # the layout exports are written in
+    return model.train()
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -255,7 +282,8 @@ def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
     rank 0 gets tensors (other ranks get an empty dict), then transformers' own
     ``revert_weight_conversion`` (what ``save_pretrained`` applies): e.g. a Mixtral's fused
     ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the checkpoint's per-expert
-    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, the names engines load.
+    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, the names engines load; tensors the
+    folder stores transposed go back to its layout (`checkpoint_layout`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers.core_model_loading import revert_weight_conversion
@@ -265,4 +293,5 @@ def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
     state = {names[k]: cast(Tensor, v) for k, v in full.items() if k in names}
     if state:
         state = revert_weight_conversion(model.lm, state)  # type: ignore[arg-type]
-    return {name: tensor.contiguous() for name, tensor in state.items()}
+    shapes = getattr(model, "checkpoint_shapes", {})
+    return {name: checkpoint_layout(tensor, shapes.get(name)).contiguous() for name, tensor in state.items()}

@@ -44,7 +44,7 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
-from molt.multimodal import packed_pixel_values, row_images
+from molt.multimodal import VisionInputs, packed_vision_inputs, row_images
 from molt.schema import make_schema
 from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
 from molt.train.optim import OptimConfig, set_lr
@@ -140,8 +140,8 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
     images = row_images(mb)
     shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
     packed = pack_sequences(rows, loss_masks if shares else None, images)
-    pixels = packed_pixel_values(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
-                                 packed.token_index)  # a VLM: the images in packed order
+    vision = packed_vision_inputs(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
+                                  packed.token_index)  # a VLM: the images in packed order
     probe = getattr(model, "router_probe", None)
     if probe is not None and "routed_experts" in mb.schema.names:
         probe.engine_routing = packed_engine_routing(
@@ -149,7 +149,7 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
             packed.token_index, packed.input_ids.shape[1], probe)
         probe.replay = obj.routing_replay
     mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
-    logp = _forward_logp(model, packed, loss_masks, mask, pixels)
+    logp = _forward_logp(model, packed, loss_masks, mask, vision)
     dev = logp.device
     mask = mask.to(dev)
     rollout, adv = (padded(mb, name, torch.float32).to(dev) if name in mb.schema.names else torch.zeros_like(logp)
@@ -170,7 +170,7 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         if obj.router_aux_loss_coef:
             share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
         if obj.routing_replay_compare:  # the other replay setting, without counting its load
-            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask, pixels))
+            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask, vision))
             gaps = {obj.routing_replay: logp.detach(), not obj.routing_replay: other}
             for replayed, name in ((True, "replay"), (False, "no_replay")):
                 metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
@@ -180,9 +180,9 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
 
 
 def _forward_logp(model: torch.nn.Module, packed: PackedSequence, loss_masks: list[list[bool]],
-                  mask: Tensor, pixel_values: Tensor | None = None) -> Tensor:
+                  mask: Tensor, vision_inputs: VisionInputs | None = None) -> Tensor:
     """[B, T] logprob of every token of the micro-batch's rows (0 past a row's end) from one packed forward."""
-    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks, pixel_values)  # [sum lengths]
+    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks, vision_inputs)  # [sum lengths]
     dev = row_logp.device
     valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
     return torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)

@@ -1,8 +1,9 @@
-"""ChatAgent test doubles: plain OpenAI SDK code, as a user would write it."""
+"""Agent and env test doubles: ChatAgents are plain OpenAI SDK code, as a user would write it."""
 
 from __future__ import annotations
 
 from molt.agents import ChatAgent
+from molt.agents.base import Env, Result
 
 
 class ThreeTurnAgent(ChatAgent):
@@ -41,3 +42,14 @@ class TopPAgent(ChatAgent):
     def run(self, client, task):
         client.chat.completions.create(model="policy", top_p=0.5, messages=[{"role": "user", "content": "x"}])
         return 1.0
+
+
+class LetterShareEnv(Env):
+    """The task's messages (e.g. a shapes picture and question), scored by the share of letters in the
+    answer: a reward that varies between a random policy's samples, so every group has a gradient."""
+
+    def reset(self, task):
+        return list(task["messages"])
+
+    def step(self, action: str) -> Result:
+        return Result(reward=sum(c.isalpha() for c in action) / max(len(action), 1), terminated=True)
