@@ -101,6 +101,47 @@ def test_identical_weights_pass_the_probe_on_the_first_and_later_refits(tiny_cha
     assert asyncio.run(apply_weight_record(engine, {**same, "policy_version": 2}))
 
 
+class FakeWeightsPort:
+    """A broadcast input port holding the newest record batch (molt.ports.InputPort's two calls)."""
+
+    def __init__(self, *records: dict) -> None:
+        from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
+
+        self.batches = [batch_from_rows([r], WEIGHT_VERSION_SCHEMA) for r in records]
+
+    async def drain_nowait(self) -> None:
+        pass
+
+    def latest(self):
+        return self.batches[-1]
+
+
+def test_a_refit_whose_file_a_newer_version_replaced_takes_the_newer_one(tiny_chat_model, tmp_path):
+    from molt.engines.weights import refit_from
+
+    engine = TransformersEngine(str(tiny_chat_model))
+    v1 = export(tiny_chat_model, tmp_path / "v1.safetensors", 1, norm_scale=1.5)
+    v2 = export(tiny_chat_model, tmp_path / "v2.safetensors", 2, norm_scale=2.0)
+    (tmp_path / "v1.safetensors").unlink()  # keep_versions 1: the trainer pruned v1 when it wrote v2
+    port = FakeWeightsPort(v1, v2)
+    assert asyncio.run(refit_from(engine, port, port.batches[0])) is not None and engine.policy_version == 2
+    with pytest.raises(FileNotFoundError, match=r"weights of version 3 are gone: .*v3.safetensors was deleted"):
+        asyncio.run(refit_from(engine, FakeWeightsPort({**v2, "policy_version": 3,
+                                                        "uri": f"file://{tmp_path}/v3.safetensors"})))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.safetensors"]  # no pin left behind
+
+
+def test_a_pinned_weights_file_stays_readable_when_its_writer_deletes_it(tiny_chat_model, tmp_path):
+    from molt.engines.weights import pinned
+
+    engine = TransformersEngine(str(tiny_chat_model))
+    v1 = export(tiny_chat_model, tmp_path / "v1.safetensors", 1, norm_scale=1.5)
+    with pinned(v1) as kept:
+        (tmp_path / "v1.safetensors").unlink()  # pruned while the engine is about to load it
+        assert asyncio.run(apply_weight_record(engine, kept)) and engine.policy_version == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------- vLLM, after a training step
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

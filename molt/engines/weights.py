@@ -21,6 +21,7 @@ probe request takes 0.09 s.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -187,14 +188,60 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
 async def refit_from(engine: Engine, port: Any, item: Any = None) -> float | None:
     """`apply_weight_record` of ``item`` if it is a record batch, else (``item`` None) of the
     newest one waiting on broadcast input ``port`` (molt.ports.InputPort); the seconds it took,
-    or None if there was nothing newer to apply."""
+    or None if there was nothing newer to apply.
+
+    The record's file is pinned first (`pinned`): a trainer that keeps few versions may delete
+    it once a newer one is written; then the newest record waiting on ``port`` is applied
+    instead.
+
+    Raises:
+        FileNotFoundError: the file is gone and no newer record waits.
+    """
     if item is None:
         await port.drain_nowait()
         item = port.latest()
     start = time.monotonic()
-    if isinstance(item, pa.RecordBatch) and await apply_weight_record(engine, item.to_pylist()[-1]):
-        return time.monotonic() - start
+    while isinstance(item, pa.RecordBatch):
+        record = item.to_pylist()[-1]
+        try:
+            with pinned(record) as kept:
+                applied = await apply_weight_record(engine, kept)
+            return time.monotonic() - start if applied else None
+        except FileNotFoundError:
+            await port.drain_nowait()
+            newer = port.latest()
+            if not isinstance(newer, pa.RecordBatch) or newer.to_pylist()[-1]["policy_version"] <= \
+                    record["policy_version"]:
+                raise
+            logger.info("weights of version %d were replaced before loading; taking version %d",
+                        record["policy_version"], newer.to_pylist()[-1]["policy_version"])
+            item = newer
     return None
+
+
+@contextlib.contextmanager
+def pinned(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The record with its safetensors file hard-linked under a name of this process for the
+    duration (the file stays readable even if its writer deletes it); streamed records as they are.
+
+    Raises:
+        FileNotFoundError: naming the version and the file, when it no longer exists.
+    """
+    if record.get("format", "safetensors") != "safetensors":
+        yield record
+        return
+    source = Path(record["uri"].removeprefix("file://"))
+    link = source.with_name(f".pin-{os.getpid()}-{source.name}")
+    try:
+        os.link(source, link)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"weights of version {record['policy_version']} are gone: {source} was deleted "
+                                "(a newer version replaced it); hint: raise stages.<broadcast>.config."
+                                "keep_versions") from None
+    try:
+        yield {**record, "uri": f"file://{link}"}
+    finally:
+        link.unlink(missing_ok=True)
 
 
 def _record_probe(record: dict[str, Any]) -> Probe | None:
