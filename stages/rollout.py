@@ -1,23 +1,21 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``; each
-becomes ``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or ``agent`` (OpenAI
-SDK code, molt.agents.openai_server) on one engine (vLLM by default). Token ids, logprobs and versions
-go from the engine to the record untouched; ``metadata.completion_text`` (decoded) is for graders.
+Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``; each becomes
+``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code,
+molt.agents.openai_server) on one engine (vLLM by default). Token ids, logprobs and versions go from
+the engine to the record untouched; ``metadata.completion_text`` (decoded) is for graders.
 
-Admission control (DESIGN §4): groups are sent in the order they started, so group ``i``
-is trained in step ``i // groups_per_step``, with tokens no older than the engine's version
-when it starts: it starts only when ``engine_version >= i // groups_per_step - max_staleness``.
-Example: 2 groups per step, max_staleness 0: groups 0-1 start at once, 2-3 wait for version 1.
+Admission control (DESIGN §4; molt.agents.admission): groups leave in the order they started; the i-th to
+leave (step i // groups_per_step) starts only at engine version >= i // groups_per_step - max_staleness.
 
-Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded (in-flight
-sequences continue on the new version) and verified (apply_weight_record); a failure stops the run.
-Streamed ones (``engine.transport: nccl``: the trainer's send waits for every engine) are taken until
-the broadcast ends, after ``out``. Checkpoint: groups admitted and the engine's version (resumed,
-nothing is admitted until the broadcast re-publishes that version).
-Failures: an env or agent that raises, or a prompt over the context window, fails its rollout:
-counted (``rollouts_failed``), logged, not emitted (``group_size`` stays the number started); if
-every rollout fails, or the engine fails, the stage fails.
+Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded (in-flight sequences
+continue on the new version) and verified (apply_weight_record); a failure stops the run. Streamed ones
+(``engine.transport: nccl``) are taken until the broadcast ends, after ``out``. Checkpoint: admission
+counters and the engine's version, which a resumed rollout waits for.
+Failures: an env or agent that raises, or a prompt over the context window, fails its rollout (counted in
+``rollouts_failed``, logged, not emitted; ``group_size`` stays the number started); a group with none left is
+lost (``groups_lost``), the next takes its place. If every rollout fails (checked once ``groups_per_step``
+groups are lost, and at the end), or the engine fails, the stage fails.
 """
 
 from __future__ import annotations
@@ -31,9 +29,11 @@ import pyarrow as pa
 from pydantic import Field
 
 from molt.agents import ChatServer, ChatTemplate, Env, Episode, SingleTurn, run_episode, run_group
+from molt.agents.admission import GroupAdmission
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import refit_from
+from molt.models import resolve_model
 from molt.config import import_class
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
@@ -78,8 +78,6 @@ class Rollout(Service):
         return inputs, {"out": Port(writes=writes)}
 
     def setup(self) -> None:
-        from molt.models import resolve_model
-
         c = self.config
         where = f"stages.{self.ctx.stage_id}.config"
         self.env_cls: type[Env] = import_class(c.env, f"{where}.env") if c.env else SingleTurn
@@ -91,11 +89,11 @@ class Rollout(Service):
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         self.schema = make_schema(resolve_fields(self.ports(c)[1]["out"].writes, "Rollout"), "trajectory")
-        self.num_groups, self.num_sent, self.resume_version = 0, 0, 0  # admitted, sent; version to wait for
-        self.finished: dict[int, pa.RecordBatch | None] = {}  # by admission index, until sent in order
+        self.admission: GroupAdmission[pa.RecordBatch] = GroupAdmission(c.groups_per_step, c.max_staleness)
+        self.resume_version, self.first_failure = 0, ""  # version to wait for; the first rollout error
+        self.first_admit_s: float | None = None
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
-        self.first_admit_s: float | None = None
 
     async def run(self) -> None:
         if self.server is not None:
@@ -122,39 +120,40 @@ class Rollout(Service):
                         break
                 prompt_id, task = prompts.pop(0)
                 self.first_admit_s = self.first_admit_s or time.monotonic()
-                pending.add(asyncio.create_task(self._group(prompt_id, task, self.num_groups)))
-                self.num_groups += 1
+                pending.add(asyncio.create_task(self._group(prompt_id, task, self.admission.admit())))
             # 2) wait for finished groups  3) send them whole
             if not pending:
                 await asyncio.sleep(0.05)  # admission is waiting for new weights
                 continue
             done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             await self._send_done([t.result() for t in done])
-        self._log_throughput()
+        self._check_failures(end=True)
         if self.config.weights_input and self.engine.streams_weights:
             await self.end("out")  # 4) streamed refits wait for every engine: take them until the trainer ends
             while (item := await self.recv("weights")) is not None:
                 await self._refit_if_new_weights(item)
 
-    def _log_throughput(self) -> None:
-        counts = self.metrics.counters
-        if counts.get("rollouts_failed", 0) and not counts.get("rows_out"):
-            raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}); see the warnings above")
-        if self.first_admit_s is not None:
+    def _check_failures(self, end: bool = False) -> None:
+        """Fail when rollouts failed and none succeeded (once a step's worth of groups is lost, or at the
+        end of the prompts); at the end, log the generation throughput."""
+        counts, lost = self.metrics.counters, self.admission.num_lost
+        if self.first_failure and not counts.get("rows_out") and (end or lost >= self.config.groups_per_step):
+            raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}, {lost} groups lost), e.g. "
+                               f"{self.first_failure}; see the warnings above")
+        if end and self.first_admit_s is not None:
             seconds = time.monotonic() - self.first_admit_s
             self.metrics.log({"generate_seconds": seconds,
                               "generated_tokens_per_s": counts.get("tokens_generated", 0.0) / max(seconds, 1e-9)})
 
     def _admissible(self) -> bool:
-        c, version = self.config, self.engine.policy_version
-        return version >= self.resume_version and (
-            c.max_staleness is None or version >= self.num_groups // c.groups_per_step - c.max_staleness)
+        version = self.engine.policy_version
+        return version >= self.resume_version and self.admission.admissible(version)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_groups": self.num_groups, "policy_version": self.engine.policy_version}
+        return {**self.admission.state_dict(), "policy_version": self.engine.policy_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_groups = self.num_sent = state["num_groups"]
+        self.admission.load_state_dict(state)
         self.resume_version = state["policy_version"] if self.config.weights_input else 0
 
     async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
@@ -165,12 +164,12 @@ class Rollout(Service):
         return []
 
     async def _send_done(self, groups: list[tuple[int, pa.RecordBatch | None]]) -> None:
-        """Send finished groups in admission order (a failed group, None, sends nothing)."""
-        self.finished.update(groups)
-        while self.num_sent in self.finished:
-            if (batch := self.finished.pop(self.num_sent)) is not None:
-                await self.send("out", batch)
-            self.num_sent += 1
+        """Send finished groups in admission order (a lost group, None, sends nothing)."""
+        lost = self.admission.num_lost
+        for batch in self.admission.finish(groups):
+            await self.send("out", batch)
+        self.metrics.count("groups_lost", self.admission.num_lost - lost)
+        self._check_failures()
 
     async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> tuple[int, pa.RecordBatch | None]:
         """Run ``group_size`` episodes of one prompt; (index, rows of the successful ones)."""
@@ -179,6 +178,7 @@ class Rollout(Service):
                                        self.config.group_size, "score" in self.schema.names)
         for rid, error in failed:
             self.log.warning("rollout %s failed: %s", rid, error)
+            self.first_failure = self.first_failure or f"rollout {rid}: {error}"
             self.metrics.count("rollouts_failed")
         self.metrics.count("tokens_generated", sum(sum(r["loss_mask"]) for r in rows))
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})

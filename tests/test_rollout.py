@@ -7,6 +7,7 @@ tests/test_engines.py and tests/test_rollout_vllm.py.
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -195,7 +196,7 @@ def test_a_run_where_every_rollout_fails_fails(tiny_chat_model, tmp_path, no_orp
     spec = rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.AlwaysFailingEnv", max_turns=2)
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 1 and summary["failed_stage"] == "rollout.0"
-    assert "every rollout failed (18)" in summary["error"]
+    assert "every rollout failed (18, 6 groups lost), e.g. rollout " in summary["error"]
 
 
 def test_an_env_typo_fails_at_load(tiny_chat_model):
@@ -207,20 +208,40 @@ def test_an_env_typo_fails_at_load(tiny_chat_model):
 
 
 def test_groups_are_sent_in_the_order_they_started_whatever_order_they_finish_in():
-    """A group's training step is its admission index // groups_per_step only if groups leave in that order."""
-    from stages.rollout import Rollout
+    """A group's training step is its position in the stream // groups_per_step only if groups leave in order."""
+    from molt.agents.admission import GroupAdmission
 
-    rollout = Rollout.__new__(Rollout)  # only the ordering state: no engine
-    rollout.finished, rollout.num_sent = {}, 0
-    sent = []
+    admission: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=None)
+    assert [admission.admit() for _ in range(5)] == [0, 1, 2, 3, 4]
+    sent = [g for finished in ([(2, "c")], [(0, "a")], [(3, None), (1, "b")], [(4, "e")])  # group 3: lost
+            for g in admission.finish(finished)]
+    assert sent == ["a", "b", "c", "e"] and admission.num_released == 5 and not admission.finished
+    assert admission.num_lost == 1 and admission.state_dict() == {"num_groups": 5, "num_lost": 1}
 
-    async def send(port, batch):
-        sent.append(batch)
 
-    rollout.send = send
-    for finished in ([(2, "c")], [(0, "a")], [(3, None), (1, "b")], [(4, "e")]):  # group 3 failed: nothing sent
-        asyncio.run(rollout._send_done(finished))
-    assert sent == ["a", "b", "c", "e"] and rollout.num_sent == 5 and not rollout.finished
+def test_a_lost_group_gives_its_place_in_the_step_to_the_next_admitted_one():
+    from molt.agents.admission import GroupAdmission
+
+    admission: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=0)
+    admission.admit(), admission.admit()
+    assert not admission.admissible(version=0)  # groups 0-1 fill step 0; group 2 waits for version 1
+    assert admission.finish([(1, None)]) == [] and not admission.admissible(version=0)  # 0 may still be lost
+    assert admission.finish([(0, "a")]) == ["a"] and admission.admissible(version=0)  # step 0 needs one more
+    admission.admit()
+    assert not admission.admissible(version=0) and admission.admissible(version=1)
+    resumed: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=0)
+    resumed.load_state_dict({"num_groups": 3, "num_lost": 1})
+    assert not resumed.admissible(version=0) and resumed.admissible(version=1)
+
+
+def test_a_rollout_whose_groups_all_fail_stops_after_a_steps_worth_not_at_the_end(tiny_chat_model, tmp_path):
+    """With a feedback loop the prompts never end (the rollout waits for weights no step will make):
+    every rollout of the first groups_per_step groups failing fails the stage at once."""
+    spec = rollout_pipeline(tiny_chat_model, env="tests.doubles.stages.AlwaysFailingEnv", max_turns=2)
+    spec["stages"]["rollout"]["config"].update(groups_per_step=2, max_concurrent_groups=2)
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 1 and summary["failed_stage"] == "rollout.0"
+    assert re.search(r"every rollout failed \(\d+, 2 groups lost\), e\.g\. rollout \S+: ", summary["error"])
 
 
 class Streaming(TransformersEngine):

@@ -112,6 +112,7 @@ def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(tiny_c
     zero = {r["sample_id"] for r in flat[:4]}
     assert step_module.inert_rows(batch, OBJECTIVE).tolist() == [r in zero for r in batch.column("sample_id").to_pylist()]
     skipped = train_once(tiny_chat_model, batch)
+    assert skipped[0].metrics["rows/inert_frac"] == pytest.approx(4 / batch.num_rows)
     monkeypatch.setattr(step_module, "inert_rows", lambda b, o: np.zeros(b.num_rows, dtype=bool))
     computed = train_once(tiny_chat_model, batch)
     assert skipped[0].loss == pytest.approx(computed[0].loss, rel=1e-5)
@@ -309,6 +310,23 @@ def rl_pipeline(model, world_size):
                   {"from": "pack", "to": "train"}, {"from": "train", "to": "broadcast"},
                   {"from": "broadcast.out", "to": "sink", "record": True},
                   {"from": "broadcast.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]}
+
+
+@pytest.mark.timeout(180)  # the deadlock it guards against would otherwise hang until the default 600 s
+def test_a_lost_group_does_not_stall_an_on_policy_loop(tiny_chat_model, tmp_path, no_orphans):
+    """Every rollout of prompt 1 fails: with max_staleness 0 the next prompt must take its place in step 0
+    (before, the pack waited for a second group the rollout would only admit at version 1: a deadlock)."""
+    spec = rl_pipeline(tiny_chat_model, 1)
+    spec["stop_timeout_s"] = 5
+    spec["stages"]["source"]["config"]["task"]["num_problems"] = 5
+    spec["stages"]["rollout"]["config"].update(max_staleness=0, env="tests.doubles.stages.LosesPromptOneEnv")
+    del spec["stages"]["reward"]  # the env scores
+    spec["edges"] = [e for e in spec["edges"] if "reward" not in (e["from"], e["to"])] + [
+        {"from": "rollout", "to": "shape"}]
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary.get("error")
+    m = summary["metrics"]
+    assert m["rollout/groups_lost"] == 1 and m["rollout/rollouts_failed"] == 2 and m["train/policy_version"] == 2
 
 
 def with_evaluation(spec, model):

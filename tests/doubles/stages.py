@@ -316,3 +316,21 @@ class SilentEnv(ScriptedEnv):
 class AlwaysFailingEnv(ScriptedEnv):
     def step(self, action: str):
         raise RuntimeError("tool server down")
+
+
+class LosesPromptOneEnv:
+    """Single-turn, reward 1, but every rollout of the second distinct prompt raises: a lost group."""
+
+    seen: ClassVar[dict[str, int]] = {}  # question -> the order it was first seen in (one rollout process)
+
+    def reset(self, task: dict) -> list:
+        self.question = str(task["messages"])
+        self.seen.setdefault(self.question, len(self.seen))
+        return list(task["messages"])
+
+    def step(self, action: str):
+        from molt.agents import Result
+
+        if self.seen[self.question] == 1:
+            raise RuntimeError("grader down for this prompt")
+        return Result(reward=1.0, terminated=True)
