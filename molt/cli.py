@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -294,6 +295,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if os.getcwd() not in sys.path:  # custom stages and envs by import path from here, as the runner's processes
+        sys.path.insert(0, os.getcwd())
     handlers = {"run": cmd_run, "graph": cmd_graph, "replay": cmd_replay, "inspect": cmd_inspect,
                 "plot": cmd_plot, "models": cmd_models}
     try:

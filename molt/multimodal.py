@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +110,7 @@ class VisionProcessor:
             image can be found neither way (naming the folder).
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
-        import json
-
+    def __init__(self, model_dir: str | Path, tokenizer: Any = None) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -128,19 +127,17 @@ class VisionProcessor:
                              f"merge_size ({type(self.image_processor).__name__}); hint: Molt supports LLaVA- and "
                              "Qwen-VL-style processors")
         self.tokens_per_image: int | None = int(fixed) if self.merge_size is None and fixed is not None else None
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))  # the folder's, for the placeholder
         wrap = [config.get("vision_start_token_id"), token_id, config.get("vision_end_token_id")]
         self.placeholder = "".join(tokenizer.convert_ids_to_tokens([int(t) for t in wrap if t is not None]))
 
     @staticmethod
-    def of(model_dir: str | Path) -> VisionProcessor | None:
+    def of(model_dir: str | Path, tokenizer: Any = None) -> VisionProcessor | None:
         """The processor of a vision-language folder (config.json with a ``vision_config``), None for a
-        text-only one."""
-        import json
-
+        text-only one; ``tokenizer``: the folder's, if already loaded."""
         path = Path(model_dir) / "config.json"
         is_vlm = path.is_file() and "vision_config" in json.loads(path.read_text())
-        return VisionProcessor(model_dir) if is_vlm else None
+        return VisionProcessor(model_dir, tokenizer) if is_vlm else None
 
     def token_counts(self, images: Sequence[bytes]) -> list[int]:
         """[N] image tokens of each encoded image (class docstring)."""

@@ -361,8 +361,10 @@ def _check_inputs(pipe: Pipeline, sid: str) -> None:
         have = {f.name: f.type for f in first}
         for f in resolve_fields(p.reads, f"{pipe.source}: stages.{sid} input {port!r}"):
             if f.name not in have:
+                doc = (f.metadata or {}).get(b"doc", b"").decode()
                 raise ValueError(f"{pipe.source}: edge {first_edge.name}: stage {sid!r} reads column "
-                                 f"{f.name!r} which no upstream stage writes; edge carries {sorted(have)}")
+                                 f"{f.name!r} which no upstream stage writes; edge carries {sorted(have)}"
+                                 + (f"; the column: {doc}" if doc else ""))
             if have[f.name] != f.type:
                 raise ValueError(f"{pipe.source}: edge {first_edge.name}: column {f.name!r} is "
                                  f"{have[f.name]} but {sid!r} reads {f.type}")

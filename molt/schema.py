@@ -56,7 +56,8 @@ TRAJECTORY_FIELDS: tuple[pa.Field, ...] = (
            "processor expanded from one placeholder each, as many as each image has (molt.multimodal)"),
     _field("routed_experts", pa.binary(),
            "[T, L, K] int16 (little-endian, C order) expert ids the engine routed each token to "
-           "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k"),
+           "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k; written by a "
+           "rollout with engine.record_routing: true"),
     _field("metadata", pa.string(), "JSON object: task fields, labels, diagnostics"),
 )
 

@@ -52,3 +52,23 @@ def test_replay_spec_replaces_everything_upstream_of_the_target():
     assert out["edges"] == [{"from": "replay", "to": "c", "record": True}, {"from": "c", "to": "d"}]
     with pytest.raises(ValueError, match="--into 'zz': no such stage"):
         replay_spec(data, "rec/", "zz", "p.yaml")
+
+
+def test_the_molt_command_imports_custom_classes_from_where_it_starts(tmp_path):
+    """As the runner's stage processes do (their PYTHONPATH starts with that folder); the console
+    script, unlike ``python -m``, does not put it on sys.path by itself."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "my_envs.py").write_text("class CountingEnv:\n    pass\n")
+    (tmp_path / "p.yaml").write_text(
+        "name: custom\nstages:\n"
+        "  source: {class: stages.dataset_source.DatasetSource, config: {task: {type: arithmetic, num_problems: 2}}}\n"
+        "  rollout: {class: stages.rollout.Rollout, config: {env: my_envs.CountingEnv, engine: {type: transformers}}}\n"
+        "  sink: {class: stages.metrics_sink.MetricsSink}\n"
+        "edges: [{from: source, to: rollout}, {from: rollout, to: sink}]\n")
+    molt = os.path.join(os.path.dirname(sys.executable), "molt")
+    out = subprocess.run([str(molt), "graph", "p.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rollout" in out.stdout

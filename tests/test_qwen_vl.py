@@ -230,3 +230,16 @@ def test_vlm_rl_on_a_tiny_qwen3_vl_moe_trains_with_routing_replay_and_verified_r
     assert replay[0]["train/moe/logprob_diff_replay"] <= 1e-4  # engine and trainer agree on image tokens too
     refits = [m["rollout/refit_seconds"] for m in metrics if "rollout/refit_seconds" in m]
     assert len(refits) >= 1  # verified: digests and the probe (a failed check fails the run)
+
+
+def test_vllm_without_torchvision_is_refused_for_qwen_vl_before_it_starts(tiny_qwen_vl):
+    import importlib.util
+
+    from molt.engines.config import EngineConfig, make_engine
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM can import Qwen-VL here")
+    with pytest.raises(ValueError, match=r"stages.rollout.config.engine.type: vLLM cannot serve "
+                                         r"Qwen3VLMoeForConditionalGeneration without torchvision .* hint: engine: "
+                                         r"\{type: transformers\}"):
+        make_engine(EngineConfig(), str(tiny_qwen_vl), "stages.rollout.config.engine")

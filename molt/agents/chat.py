@@ -39,7 +39,8 @@ class ChatTemplate:
         """The template of a model folder, with its image processor if it has one."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_dir), VisionProcessor.of(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(tokenizer, VisionProcessor.of(model_dir, tokenizer))
 
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         flat, _ = flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")

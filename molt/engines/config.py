@@ -14,7 +14,9 @@ class EngineConfig(BaseModel):
     """Which engine runs the policy and how it is sized."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["vllm", "transformers"] = Field("vllm", description="transformers = the test double")
+    type: Literal["vllm", "transformers"] = Field(
+        "vllm", description="transformers: exact and slow, one request step at a time; the test double, and the "
+        "CPU engine of models vLLM's CPU build cannot serve (Qwen-VL); vLLM-only keys are then ignored")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="fp32 matches an fp32 trainer")
     max_model_len: int = Field(2048, ge=16, description="context window (tokens)")
     kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size (GiB)")
@@ -40,11 +42,15 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     ``config`` (for errors), ``replica`` the stage replica (its NCCL ranks, for ``transport: nccl``).
 
     Raises:
-        ValueError: ``transport`` nccl without CUDA or with the transformers engine (naming the key).
+        ValueError: ``transport`` nccl without CUDA or with the transformers engine, or a model vLLM
+            cannot serve here (molt.engines.vllm_plugin.check_serves), naming the key.
     """
     check_transport(config.transport, f"{where}.transport")
     if config.type == "vllm":
         from molt.engines.vllm import VLLMEngine
+        from molt.engines.vllm_plugin import check_serves
+
+        check_serves(model_dir, f"{where}.type")
 
         transfer = None
         if (backend := engine_backend(config.transport, f"{where}.transport")) is not None:

@@ -303,11 +303,10 @@ class TransformersEngine(Engine):
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = {params[n].data_ptr() for n in params if n not in info.missing_keys}
         untied_missing = sorted(n for n in info.missing_keys if n in params and params[n].data_ptr() not in loaded)
-        if info.unexpected_keys or untied_missing or info.mismatched_keys or info.conversion_errors:
-            raise ValueError("weights file does not match the model; got unexpected "
-                             f"{sorted(info.unexpected_keys)[:5]}, missing {untied_missing[:5]}, wrong shapes "
-                             f"{sorted(info.mismatched_keys)[:5]}, conversion errors "
-                             f"{list(info.conversion_errors)[:5]}; "
+        bad = {"unexpected": sorted(info.unexpected_keys), "missing": untied_missing, "wrong shapes":
+               sorted(info.mismatched_keys), "conversion errors": list(info.conversion_errors)}
+        if any(bad.values()):
+            raise ValueError(f"weights file does not match the model; got {({k: v[:5] for k, v in bad.items() if v})}; "
                              "hint: export full HF-named weights of the same architecture")
 
     def close(self) -> None:

@@ -13,9 +13,13 @@ With torchvision installed it does nothing.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+from pathlib import Path
 
 _TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixtral"
+#: Architectures whose vLLM 0.32 model files import transformers' torchvision-only image or video processors.
+_NEEDS_TORCHVISION = ("Qwen2VL", "Qwen2_5_VL", "Qwen3VL")
 
 
 def register() -> None:
@@ -25,3 +29,23 @@ def register() -> None:
     from transformers.models.pixtral import image_processing_pil_pixtral
 
     sys.modules[_TORCHVISION_MODULE] = image_processing_pil_pixtral
+
+
+def check_serves(model_dir: str, where: str) -> None:
+    """Refuse, before vLLM starts, a model that vLLM cannot import without torchvision when torchvision
+    is absent (vLLM's CPU build here: PyPI's torchvision does not match the CPU torch); otherwise vLLM's
+    engine core fails after start-up with "failed to be inspected", the cause only in its log.
+
+    Raises:
+        ValueError: naming ``where`` (the engine's YAML key) and the architecture.
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    path = Path(model_dir) / "config.json"
+    architectures = json.loads(path.read_text()).get("architectures") or [] if path.is_file() else []
+    blocked = [a for a in architectures if a.startswith(_NEEDS_TORCHVISION)]
+    if blocked:
+        raise ValueError(f"{where}: vLLM cannot serve {blocked[0]} without torchvision (its processor imports "
+                         "transformers' torchvision-only image and video processors); got type 'vllm'; hint: "
+                         "engine: {type: transformers} (exact, slower) on CPU, or vLLM's CUDA build with its "
+                         "torchvision on GPUs")

@@ -238,7 +238,9 @@ def inert_rows(batch: pa.RecordBatch, obj: ObjectiveConfig) -> np.ndarray:
     (`zero_advantage_is_inert`), e.g. a GRPO group whose rollouts all scored the same. The
     trainer skips their forward and backward; their tokens still count in the step's loss
     denominators (``step_loss_tokens``/``step_loss_seqs``), so the loss and update are unchanged,
-    while the step's token metrics cover the other rows only."""
+    while the step's token metrics cover the other rows only (``rows/inert_frac``: the share skipped; 1
+    means the step had no policy gradient, e.g. every group's rewards were equal). A MoE's auxiliary
+    load-balancing loss is then computed over the forwarded rows only."""
     if batch.num_rows == 0 or not zero_advantage_is_inert(obj):
         return np.zeros(batch.num_rows, dtype=bool)
     return np.array([not any(a != 0 and m for a, m in zip(adv, mask)) for adv, mask in
@@ -350,6 +352,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             dist.all_reduce(counts)
         metrics.update(load_metrics(counts, probe.num_experts))
     num_tokens = sum(len(t) for t in batch.column("token_ids").to_pylist())
+    metrics["rows/inert_frac"] = float(inert_rows(batch, obj).mean()) if batch.num_rows else 0.0  # 1: no gradient
     return StepResult(float(loss), grad_norm, lr, num_tokens, metrics)
 
 
