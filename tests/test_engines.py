@@ -138,6 +138,19 @@ def test_tokens_after_a_weight_load_carry_the_new_version(tiny_model, tmp_path):
     assert set(engine.last_weight_digests) == set(state)
 
 
+def test_vllm_only_keys_given_to_the_transformers_engine_are_named_in_a_warning(tiny_chat_model, caplog):
+    from molt.engines.config import EngineConfig, make_engine
+
+    config = EngineConfig.model_validate({"type": "transformers", "kv_cache_gib": 0.5, "block_size": 32})
+    with caplog.at_level(logging.WARNING, logger="molt.engines.config"):
+        make_engine(config, str(tiny_chat_model), "stages.rollout.config.engine").close()
+    assert "stages.rollout.config.engine: block_size, kv_cache_gib set but ignored by the transformers engine" \
+        in caplog.text
+    caplog.clear()
+    make_engine(EngineConfig(type="transformers"), str(tiny_chat_model)).close()
+    assert "ignored" not in caplog.text
+
+
 def test_abort_ends_a_request_with_abort(tiny_model):
     engine = TransformersEngine(tiny_model)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine
 from molt.engines.transport import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
+
+
+logger = logging.getLogger(__name__)
+VLLM_ONLY = {"kv_cache_gib", "max_num_seqs", "block_size", "tensor_parallel_size", "enable_expert_parallel"}
 
 
 class EngineConfig(BaseModel):
@@ -73,5 +78,7 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     if config.transport.type != "shm":
         raise ValueError(f"{where}.transport.type: the transformers engine loads refits from files only; got "
                          f"{config.transport.type!r}; hint: use {{type: shm}}")
+    if ignored := sorted(config.model_fields_set & VLLM_ONLY):
+        logger.warning("%s: %s set but ignored by the transformers engine (vLLM only)", where, ", ".join(ignored))
 
     return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing)
