@@ -198,13 +198,13 @@ class VisionProcessor:
             elif run:
                 runs.append(run)
                 run = 0
-        queue = list(reversed(counts))
-        for run in runs:  # a run holds one or more whole images (LLaVA's placeholders may touch)
-            while run > 0 and queue and queue[-1] <= run:
-                run -= queue.pop()
-            if run:
+        queue, rest = list(reversed(counts)), 0
+        for rest in runs:  # a run holds one or more whole images (LLaVA's placeholders may touch)
+            while rest > 0 and queue and queue[-1] <= rest:
+                rest -= queue.pop()
+            if rest:
                 break
-        if sum(runs) != sum(counts) or queue or run:
+        if sum(runs) != sum(counts) or queue or rest:
             each = f"of {counts[0]} tokens each" if len(set(counts)) == 1 else f"of {counts} tokens"
             raise ValueError(f"sample {sample!r}: {sum(runs)} image tokens (id {self.image_token_id}) for "
                              f"{len(counts)} image(s) {each} (expected {sum(counts)}); "

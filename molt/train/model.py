@@ -293,5 +293,5 @@ def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
     state = {names[k]: cast(Tensor, v) for k, v in full.items() if k in names}
     if state:
         state = revert_weight_conversion(model.lm, state)  # type: ignore[arg-type]
-    shapes = getattr(model, "checkpoint_shapes", {})
-    return {name: checkpoint_layout(tensor, shapes.get(name)).contiguous() for name, tensor in state.items()}
+    return {name: checkpoint_layout(tensor, model.checkpoint_shapes.get(name)).contiguous()
+            for name, tensor in state.items()}
