@@ -298,7 +298,8 @@ class TransformersEngine(Engine):
         dtype = next(model.parameters()).dtype
         mapping: Any = get_model_conversion_mapping(model, None, None)  # converters and renamings
         config = LoadStateDictConfig(weight_mapping=mapping)
-        info, _ = convert_and_load_state_dict_in_model(model, {k: v.to(dtype) for k, v in state.items()}, config)
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}  # the engine's dtype
+        info, _ = convert_and_load_state_dict_in_model(model, state, config)
         model.tie_weights()
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = {params[n].data_ptr() for n in params if n not in info.missing_keys}
