@@ -78,7 +78,7 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     if config.transport.type != "shm":
         raise ValueError(f"{where}.transport.type: the transformers engine loads refits from files only; got "
                          f"{config.transport.type!r}; hint: use {{type: shm}}")
-    if ignored := sorted(config.model_fields_set & VLLM_ONLY):
+    if ignored := sorted(k for k in VLLM_ONLY if getattr(config, k) != EngineConfig.model_fields[k].default):
         logger.warning("%s: %s set but ignored by the transformers engine (vLLM only)", where, ", ".join(ignored))
 
     return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing)
