@@ -368,7 +368,8 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     stages["pack"]["config"]["groups_per_step"] = 8
     export = tmp_path / "models" / "tiny-vlm-sft"
     stages["train"]["config"].update(model=str(tiny_vlm), export_model=str(export), compute_dtype="float32")
-    stages["evaluate"]["config"].update(model=str(tiny_vlm), every_versions=4)
+    hf = {"type": "transformers", "dtype": "float32"}  # the evaluations (vLLM serving the VLM: the rollout's)
+    stages["evaluate"]["config"].update(model=str(tiny_vlm), every_versions=4, engine=hf)
     stages["evaluate"]["config"]["task"]["num_problems"] = 8
     code, summary = run_spec(sft, tmp_path / "sft")
     assert code == 0, summary["error"]
@@ -383,7 +384,7 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
                                        max_turns=2)  # a wrong answer gets a second look
     stages["pack"]["config"]["groups_per_step"] = 4
     stages["train"]["config"].update(model=str(export), compute_dtype="float32")
-    stages["evaluate"]["config"].update(model=str(export), every_versions=2)
+    stages["evaluate"]["config"].update(model=str(export), every_versions=2, engine=hf)
     stages["evaluate"]["config"]["task"]["num_problems"] = 8
     code, summary = run_spec(rl, tmp_path / "rl")
     assert code == 0, summary["error"]
@@ -401,6 +402,7 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     out = subprocess.run([sys.executable, "-m", "molt.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
                           "--run-dir", str(tmp_path / "replay"), "--set", f"stages.train.config.model={export}",
                           "--set", f"stages.evaluate.config.model={export}",
+                          "--set", "stages.evaluate.config.engine={type: transformers, dtype: float32}",
                           "--set", "stages.evaluate.config.task.num_problems=8",
                           "--set", "stages.train.config.compute_dtype=float32",
                           "--set", "stages.pack.config.groups_per_step=4"],
