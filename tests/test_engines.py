@@ -147,7 +147,8 @@ def test_vllm_only_keys_given_to_the_transformers_engine_are_named_in_a_warning(
     assert "stages.rollout.config.engine: block_size, kv_cache_gib set but ignored by the transformers engine" \
         in caplog.text
     caplog.clear()
-    make_engine(EngineConfig(type="transformers"), str(tiny_chat_model)).close()
+    round_trip = EngineConfig.model_validate(EngineConfig(type="transformers").model_dump())  # as a stage gets it
+    make_engine(round_trip, str(tiny_chat_model)).close()
     assert "ignored" not in caplog.text
 
 
