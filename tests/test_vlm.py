@@ -402,7 +402,7 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     out = subprocess.run([sys.executable, "-m", "molt.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
                           "--run-dir", str(tmp_path / "replay"), "--set", f"stages.train.config.model={export}",
                           "--set", f"stages.evaluate.config.model={export}",
-                          "--set", "stages.evaluate.config.engine={type: transformers, dtype: float32}",
+                          "--set", f"stages.evaluate.config.engine={json.dumps(hf)}",
                           "--set", "stages.evaluate.config.task.num_problems=8",
                           "--set", "stages.train.config.compute_dtype=float32",
                           "--set", "stages.pack.config.groups_per_step=4"],
