@@ -14,8 +14,9 @@ Baseline, in the same run: ``save_file`` of the same tensors to /dev/shm, then
 ``load_file`` and a copy of every tensor (``load_file`` only maps the file; a
 refit must read every byte at least once; a read that only touches the mapped bytes,
 without copying them anywhere, is printed beside). Target: <= 1.5x. The two alternate
-``--repeats`` times and each keeps its best (a shared 2-core machine is noisy).
-Run: ``python bench/refit.py [--repeats 5]``; ends with
+``--repeats`` times and each keeps its best (a shared 2-core machine is noisy: single
+refits here range over 3x; the medians are printed beside).
+Run: ``python bench/refit.py [--repeats 10]``; ends with
 ``ratio refit R (molt X s / baseline Y s)`` after a breakdown of the best refit.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -113,7 +115,7 @@ def digest_seconds(state: dict[str, torch.Tensor], folder: Path) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     from safetensors.torch import load_file
 
@@ -140,6 +142,11 @@ def main() -> None:
           f" + probe and checks {best['apply'] - best['engine_load']:.2f}")
     print(f"  alone: trainer digests {digests[0]:.2f}  engine-side digests (file) {digests[1]:.2f}; "
           f"FSDP2 gather (not counted) {best['gather']:.2f}; probe max |diff| {best['probe_max_diff']:.1e}")
+    print("  every repeat, molt (engine load) / baseline: " + "  ".join(
+        f"{r['total']:.2f} ({r['engine_load']:.2f}) / {b[0] + b[1]:.2f}" for r, b in zip(rows, bases)))
+    print(f"  medians: molt {statistics.median(r['total'] for r in rows):.2f} (engine load "
+          f"{statistics.median(r['engine_load'] for r in rows):.2f}) / baseline "
+          f"{statistics.median(b[0] + b[1] for b in bases):.2f}")
     print(f"verified refit {ours:.2f} s, /dev/shm write+read {base:.2f} s")
     print(f"ratio refit {ours / base:.2f} (molt {ours:.2f} s / baseline {base:.2f} s)")
 
