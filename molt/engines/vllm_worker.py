@@ -136,10 +136,10 @@ def lighten_lookup_tables(model: nn.Module) -> int:
     listed in the reload's ``SKIP_MODULES`` and loads straight into the live tensor
     (a fresh 49152 x 576 fp32 table per reload cost SmolLM2's engine load about
     0.06 s of 0.35-0.45 s here, interleaved A/B: new pages cost about 7x warm ones
-    on this VM). When the model has a
-    ``ParallelLMHead``, that head (tied or not) projects the output and the other
-    tables are only looked up (``F.embedding`` of ``weight``), so their pack is never
-    read: it is dropped (freeing its memory) and not made again. Idempotent.
+    on this VM). When the model has a ``ParallelLMHead``, that head (tied or not)
+    projects the output and the other tables are only looked up (``F.embedding`` of
+    ``weight``), so their pack is never read: it is dropped (freeing its memory) and
+    not made again. Idempotent.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
