@@ -120,7 +120,6 @@ class Runner:
         for sub in ("logs", "metrics", "status"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
-        self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
         placement = self.pipe.spec.placement
         if placement.backend == "ray":
             from molt.placement_ray import RayBackend
@@ -128,6 +127,8 @@ class Runner:
             self.backend = RayBackend(placement, self.pipe)
         else:
             self.backend = LocalBackend()
+        # after the backend, which removes it (`run`); one that failed to start has nothing to clean
+        self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
         owners = [sid for sid in reversed(self.pipe.topo_order()) if self.pipe.stages[sid].colocate_with is None]
         slots = {sid: self.backend.reserve(sid, self.pipe.stages[sid].replicas, self._nodes(sid)) for sid in owners}
         tcp_host = None

@@ -181,14 +181,19 @@ def test_nodes_spread_a_group_over_nodes_even_when_the_stage_asks_for_nothing(tm
     assert "each (STRICT_SPREAD)" in summary["error"] and "one node per launcher" in summary["error"], summary
 
 
-def test_a_ray_address_where_nothing_answers_fails_at_once_naming_placement_address(tmp_path, no_orphans):
+def test_a_ray_address_where_nothing_answers_fails_at_once_naming_placement_address(tmp_path, no_orphans,
+                                                                                   monkeypatch):
     from molt.placement import free_port
+    from molt.stage import SCRATCH_ENV
 
     spec = chain(num_groups=2)
     spec["placement"] = {"backend": "ray", "address": f"127.0.0.1:{free_port('127.0.0.1')}"}
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv(SCRATCH_ENV, str(tmp_path / "shm"))  # where the run's scratch folder goes
     code, summary, err = molt_run(spec, tmp_path / "run", timeout=60)
     assert code == 1 and summary["failed_stage"] == "placement", err[-3000:]
     assert "placement.address: '127.0.0.1:" in summary["error"] and "nothing answers there" in summary["error"]
+    assert not list((tmp_path / "shm").iterdir()), "a run that failed to start left its scratch folder"
 
 
 def test_placement_is_checked_when_the_pipeline_loads():
