@@ -135,9 +135,10 @@ def main() -> None:
     ours = best["total"]
     size_mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     print(f"{size_mb:.0f} MB, best of {args.repeats} (seconds):")
-    print(f"  baseline: write {write:.2f}  map+read {read:.2f} (map+touch only {touch:.2f}: ratio "
-          f"{ours / (write + touch):.2f})")
-    print(f"  molt: publish (write || digests || trainer probe {best['trainer_probe']:.2f}) {best['publish']:.2f}  "
+    print(f"  baseline: write {write:.2f}  map+read {read:.2f} (map+touch only {touch:.2f}; "
+          f"molt / (write + touch) {ours / (write + touch):.2f})")
+    print(f"  molt: publish (write || digests || trainer probe, done at {best['trainer_probe']:.2f}) "
+          f"{best['publish']:.2f}  "
           f"apply {best['apply']:.2f} = engine load (pause, reload + digests, resume) {best['engine_load']:.2f}"
           f" + probe and checks {best['apply'] - best['engine_load']:.2f}")
     print(f"  alone: trainer digests {digests[0]:.2f}  engine-side digests (file) {digests[1]:.2f}; "
