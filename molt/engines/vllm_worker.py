@@ -126,8 +126,8 @@ def tied_unloaded_layers(model: nn.Module, loaded: set[str]) -> list[nn.Module]:
     return layers
 
 
-def lighten_lookup_tables(model: nn.Module) -> int:
-    """Reload vocabulary tables in place and stop repacking those only looked up; returns their count.
+def lighten_lookup_tables(model: nn.Module) -> None:
+    """Reload vocabulary tables in place and stop repacking those only looked up.
 
     vLLM's layerwise reload loads each layer into freshly allocated tensors, processes
     them and copies the result into the live ones. An unquantized embedding's
@@ -151,13 +151,12 @@ def lighten_lookup_tables(model: nn.Module) -> int:
     modules = list(model.modules())
     tables = [m for m in modules if type(m) is VocabParallelEmbedding]
     if not tables or not all(isinstance(t.quant_method, UnquantizedEmbeddingMethod) for t in tables):
-        return 0
+        return
     meta.SKIP_MODULES.add(VocabParallelEmbedding.__name__)
     if any(isinstance(module, ParallelLMHead) for module in modules):
         for table in tables:
             table.quant_method.process_weights_after_loading = _no_processing  # type: ignore[method-assign]
             table.__dict__.pop("cpu_linear", None)
-    return len(tables)
 
 
 def _no_processing(layer: nn.Module) -> None:
