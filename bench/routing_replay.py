@@ -100,7 +100,7 @@ def measure(folder: Path, groups: list[pa.RecordBatch]) -> dict[str, float]:
     pack.setup()
     optim = OptimConfig(lr=1e-12)
     model = shard_policy(load_policy(folder, 0.8, chunk_tokens=1024))
-    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], optim)
+    optimizer = make_optimizer(model, optim)
     objective = ObjectiveConfig.model_validate({"routing_replay": True, "routing_replay_compare": True})
     return train_step(model, optimizer, pack.place(groups), objective, optim, version=0).metrics
 

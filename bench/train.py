@@ -61,7 +61,7 @@ def molt_side(args: argparse.Namespace) -> list[tuple[float, float]]:
     batch = pack.place([batch_from_rows(rows, schema)])
     model = shard_policy(load_policy(resolve_model(args.model), TEMPERATURE), args.dtype, args.device)
     optim = OptimConfig(lr=1e-6)
-    optimizer = make_optimizer(list(model.parameters()), optim)
+    optimizer = make_optimizer(model, optim)
     return timed(lambda k: train_step(model, optimizer, batch, ObjectiveConfig(), optim, k), args)
 
 

@@ -101,7 +101,7 @@ class Train(Service):
             freeze_routers(model.lm, f"{key}.freeze_router")
         check_moe_keys(c, model.router_probe is not None, key)
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], c.optim)
+        self.optimizer = make_optimizer(self.model, c.optim, f"{key}.optim")
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False

@@ -98,7 +98,7 @@ def test_a_bf16_fsdp2_step_on_nccl_matches_the_cpu_fp32_step(model_dir):
         model = load_policy(model_dir, 0.8, chunk_tokens=16)
         start = {k: v.clone() for k, v in full_state_dict(shard_policy(model, dtype, device)).items()}
         assert (device == "cuda") == hasattr(next(model.parameters()), "full_tensor")  # FSDP2-sharded on cuda
-        optimizer = make_optimizer(list(model.parameters()), OPTIM)
+        optimizer = make_optimizer(model, OPTIM)
         results[device] = train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)
         weights[device] = {k: v - start[k] for k, v in full_state_dict(model).items()}
     assert results["cuda"].loss == pytest.approx(results["cpu"].loss, rel=0.05, abs=1e-3)
@@ -120,7 +120,7 @@ def test_micro_batch_split_on_cuda_does_not_change_the_step(model_dir):
     for max_tokens in (4096, 30):
         torch.manual_seed(0)
         model = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=7), "bfloat16", "cuda")
-        optimizer = make_optimizer(list(model.parameters()), OPTIM)
+        optimizer = make_optimizer(model, OPTIM)
         batch = step_batch(groups, max_tokens=max_tokens)
         losses.append((batch.column("micro_batch").to_numpy().max(),
                        train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)))
@@ -134,7 +134,7 @@ def test_moe_experts_and_router_are_trained_on_cuda(tmp_path):
     folder = save_model(tmp_path / "moe", "moe")
     model = shard_policy(load_policy(folder, 1.0), "bfloat16", "cuda")
     before = {k: v.clone() for k, v in full_state_dict(model).items()}
-    optimizer = make_optimizer(list(model.parameters()), OptimConfig(lr=1e-2))
+    optimizer = make_optimizer(model, OptimConfig(lr=1e-2))
     result = train_step(model, optimizer, step_batch(random_groups(seed=7)), ObjectiveConfig(), OptimConfig(lr=1e-2),
                         version=0)
     assert torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0

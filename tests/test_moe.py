@@ -151,7 +151,7 @@ def moe_trained_export(upcycled):
     optim = OptimConfig(lr=1e-3, grad_clip=1.0)  # large enough to change the greedy replies
     torch.manual_seed(0)
     model = shard_policy(load_policy(upcycled, temperature=0.8, chunk_tokens=64))
-    train_step(model, make_optimizer(list(model.parameters()), optim), step_batch(random_groups()),
+    train_step(model, make_optimizer(model, optim), step_batch(random_groups()),
                OBJECTIVE, optim, version=0)
     folder = Path(tempfile.mkdtemp(prefix="molt-test-moe-", dir="/dev/shm"))
     for item in upcycled.iterdir():
@@ -289,7 +289,7 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file, replay):
         torch.manual_seed(0)
         model = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
         experts = model.lm.model.layers[0].mlp.experts
-        optimizer = make_optimizer(list(model.parameters()), OPTIM)
+        optimizer = make_optimizer(model, OPTIM)
         results = [train_step(model, optimizer, batch, objective, OPTIM, version=v) for v in range(2)]
         weights = full_state_dict(model)
         parallel = type(experts).__name__.startswith("ExpertParallel")
@@ -301,7 +301,7 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file, replay):
 
             save_train_state(Path(out_dir) / "ckpt", model, optimizer, Path(model_dir))
             resumed = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
-            resumed_optimizer = make_optimizer(list(resumed.parameters()), OPTIM)
+            resumed_optimizer = make_optimizer(resumed, OPTIM)
             load_train_state(Path(out_dir) / "ckpt", resumed, resumed_optimizer)
             third = [train_step(m, o, batch, objective, OPTIM, version=2).loss
                      for m, o in ((model, optimizer), (resumed, resumed_optimizer))]

@@ -165,7 +165,7 @@ def test_a_qwen3_vl_moe_refit_goes_through_the_checkpoint_layout_and_is_verified
     optim = OptimConfig(lr=1e-2, warmup_steps=0)
     rows = sft_rows(tiny_qwen_vl, {"red": (255, 0, 0), "blue": (0, 0, 255)})
     assert len(rows[0]["image_token_positions"]) == 4
-    result = train_step(model, make_optimizer(list(model.parameters()), optim), sft_batch(rows),
+    result = train_step(model, make_optimizer(model, optim), sft_batch(rows),
                         ObjectiveConfig.model_validate({"policy_loss": {"type": "sft"}}), optim, version=0)
     assert result.grad_norm > 0
     state = full_state_dict(model)

@@ -159,7 +159,7 @@ def trained_export(default_model_dir):
     optim = OptimConfig(lr=1e-3, grad_clip=1.0)  # large enough to change the greedy reply
     torch.manual_seed(0)
     model = shard_policy(load_policy(default_model_dir, temperature=0.8, chunk_tokens=64))
-    result = train_step(model, make_optimizer(list(model.parameters()), optim), step_batch(random_groups()),
+    result = train_step(model, make_optimizer(model, optim), step_batch(random_groups()),
                         OBJECTIVE, optim, version=0)
     assert result.grad_norm > 0
     folder = Path(tempfile.mkdtemp(prefix="molt-test-export-", dir="/dev/shm"))

@@ -14,7 +14,7 @@ from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state
 from molt.train.attention import packed_sdpa, row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
 from molt.train.model import load_policy, shard_policy
-from molt.train.optim import make_optimizer
+from molt.train.optim import make_optimizer, set_lr
 from molt.train.packing import pack_sequences
 from stages.pack import Pack
 from tests.conftest import SINK, run_spec
@@ -55,7 +55,7 @@ def step_batch(groups, world_size=1, max_tokens=4096):
 def train_once(model_dir, batch, compute_dtype="float32"):
     torch.manual_seed(0)
     model = shard_policy(load_policy(model_dir, TEMPERATURE, chunk_tokens=5), compute_dtype)
-    optimizer = make_optimizer(list(model.parameters()), OPTIM)
+    optimizer = make_optimizer(model, OPTIM)
     result = train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)
     return result, full_state_dict(model)
 
@@ -262,6 +262,26 @@ def test_world_size_two_gives_the_same_update_as_world_size_one(tiny_chat_model,
             torch.testing.assert_close(handle.get_tensor(name), tensor, atol=2e-6, rtol=0)
 
 
+def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_schedule():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"vision_tower": torch.nn.Linear(3, 3),
+                                                               "language_model": torch.nn.Linear(3, 3)})})
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, lr_scale={"model.vision_tower": 10.0}, grad_clip=None)
+    optimizer = make_optimizer(model, cfg)
+    assert sorted(group["lr"] for group in optimizer.param_groups) == pytest.approx([5e-4, 5e-3])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    towers = model["model"]
+    (towers["vision_tower"](torch.ones(3)).sum() + towers["language_model"](torch.ones(3)).sum()).backward()
+    optimizer.step()  # Adam's first step moves each weight by about its lr
+    moved = {name: float((p.detach() - before[name]).abs().mean()) for name, p in model.named_parameters()}
+    assert moved["model.vision_tower.weight"] == pytest.approx(5e-3, rel=1e-3)
+    assert moved["model.language_model.weight"] == pytest.approx(5e-4, rel=1e-3)
+    assert set_lr(optimizer, 5, cfg) == 1e-3
+    assert sorted(group["lr"] for group in optimizer.param_groups) == pytest.approx([1e-3, 1e-2])
+    with pytest.raises(ValueError, match=r"stages.train.config.optim.lr_scale.vision: no trainable parameter"):
+        make_optimizer(model, OptimConfig(lr_scale={"vision": 2.0}), "stages.train.config.optim")
+
+
 def test_a_stale_token_is_refused_naming_its_sample():
     batch = step_batch(random_groups(num_groups=2, version=1))
     assert check_staleness(batch, version=2, max_staleness=1) == 1
@@ -301,7 +321,8 @@ def rl_pipeline(model, world_size):
         "pack": {"class": "stages.pack.Pack", "config": {"groups_per_step": 2, "world_size": world_size,
                                                          "max_tokens_per_micro_batch": 128}},
         "train": {"class": "stages.train.Train", "world_size": world_size, "config": {
-            "model": str(model), "temperature": 1.0, "max_staleness": 1, "optim": {"lr": 1e-3}}},
+            "model": str(model), "temperature": 1.0, "max_staleness": 1,
+            "optim": {"lr": 1e-3, "lr_scale": {"layers.0": 2.0}}}},  # two param groups, through checkpoints too
         "broadcast": {"class": "stages.broadcast.Broadcast", "colocate_with": "train"},
         "sink": {"class": SINK}},
         "edges": [{"from": "source", "to": "rollout.in"}, {"from": "rollout", "to": "reward"},

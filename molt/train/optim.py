@@ -9,12 +9,19 @@ with m = ``min_lr_ratio`` and f = 1 (constant), 1 - p (linear) or (1 + cos(pi p)
 
     optim: {lr: 1.0e-6, weight_decay: 0.0, grad_clip: 1.0, warmup_steps: 10,
             decay: cosine, total_steps: 500, min_lr_ratio: 0.1}
+
+``lr_scale`` gives the parameters under some modules their own peak lr, a multiple of
+``lr`` on the same schedule (one AdamW param group each), as LLaVA trains its projector
+faster than its language model (Liu et al. 2023, "Visual Instruction Tuning"). A key
+matches a run of dotted components of a parameter's name: with ``lr: 2.0e-5, lr_scale:
+{vision_tower: 10}``, ``model.vision_tower.encoder.layers.0.mlp.fc1.weight`` learns at
+2e-4 and every other parameter at 2e-5.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +41,9 @@ class OptimConfig(BaseModel):
     decay: Literal["constant", "linear", "cosine"] = "constant"
     total_steps: int | None = Field(None, ge=1, description="steps to decay over; needed by linear/cosine")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of lr")
+    lr_scale: dict[Annotated[str, Field(min_length=1)], Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="lr multiplier of the parameters under a module (a run of dotted "
+        "components of their names, e.g. vision_tower); the first matching key counts, the rest scale 1")
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -55,16 +65,35 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``params`` (FSDP2 shards are fine: updates are elementwise)."""
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, where: str = "optim") -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters (FSDP2 shards are fine: updates are
+    elementwise): one param group per ``lr_scale`` key, one for the rest, lrs set for step 0.
+
+    Raises:
+        ValueError: a bad schedule, or an ``lr_scale`` key under which no trainable
+            parameter lies (named ``{where}.lr_scale.KEY``).
+    """
     lr_factor(cfg.warmup_steps, cfg)  # fail at setup, not mid-run, on a bad schedule
-    return torch.optim.AdamW(params, lr=cfg.lr * lr_factor(0, cfg), betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+    groups: dict[str, list[torch.nn.Parameter]] = {key: [] for key in [*cfg.lr_scale, ""]}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups[next((k for k in cfg.lr_scale if f".{k}." in f".{name}."), "")].append(param)
+    for key, params in groups.items():
+        if key and not params:
+            example = next((name for name, _ in model.named_parameters()), "")
+            raise ValueError(f"{where}.lr_scale.{key}: no trainable parameter lies under a module of that name; "
+                             f"hint: use a run of dotted components of a parameter name such as {example!r}")
+    optimizer = torch.optim.AdamW([{"params": params, "lr_scale": cfg.lr_scale.get(key, 1.0)}
+                                   for key, params in groups.items() if params],
+                                  lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    set_lr(optimizer, 0, cfg)
+    return optimizer
 
 
 def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: OptimConfig) -> float:
-    """Set every group's lr for optimizer step ``step``; returns it."""
+    """Set every group's lr for optimizer step ``step`` (times its ``lr_scale``); returns
+    the unscaled one."""
     lr = cfg.lr * lr_factor(step, cfg)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     return lr
