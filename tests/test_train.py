@@ -266,7 +266,7 @@ def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_s
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"vision_tower": torch.nn.Linear(3, 3),
                                                                "language_model": torch.nn.Linear(3, 3)})})
-    cfg = OptimConfig(lr=1e-3, warmup_steps=2, lr_scale={"model.vision_tower": 10.0}, grad_clip=None)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, lr_scale={"model.vision_tower|visual": 10.0}, grad_clip=None)
     optimizer = make_optimizer(model, cfg)
     assert sorted(group["lr"] for group in optimizer.param_groups) == pytest.approx([5e-4, 5e-3])
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

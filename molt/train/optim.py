@@ -11,11 +11,14 @@ with m = ``min_lr_ratio`` and f = 1 (constant), 1 - p (linear) or (1 + cos(pi p)
             decay: cosine, total_steps: 500, min_lr_ratio: 0.1}
 
 ``lr_scale`` gives the parameters under some modules their own peak lr, a multiple of
-``lr`` on the same schedule (one AdamW param group each), as LLaVA trains its projector
-faster than its language model (Liu et al. 2023, "Visual Instruction Tuning"). A key
-matches a run of dotted components of a parameter's name: with ``lr: 2.0e-5, lr_scale:
-{vision_tower: 10}``, ``model.vision_tower.encoder.layers.0.mlp.fc1.weight`` learns at
-2e-4 and every other parameter at 2e-5.
+``lr`` on the same schedule (one AdamW param group each), as LLaVA recipes give the
+projector and the vision tower learning rates of their own (LLaVA-OneVision, Li et al. 2024:
+``mm_projector_lr``, ``mm_vision_tower_lr``). A key matches a run of dotted components of
+a parameter's name, or any of several separated by ``|`` (one key for architectures that
+name a module differently): with ``lr: 4.0e-5, lr_scale: {vision_tower|visual: 0.1}``,
+``model.vision_tower.encoder.layers.0.mlp.fc1.weight`` (LLaVA) or
+``model.visual.blocks.0.mlp.linear_fc1.weight`` (Qwen-VL) learns at 4e-6 and every other
+parameter at 4e-5.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class OptimConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of lr")
     lr_scale: dict[Annotated[str, Field(min_length=1)], Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="lr multiplier of the parameters under a module (a run of dotted "
-        "components of their names, e.g. vision_tower); the first matching key counts, the rest scale 1")
+        "components of their names, alternatives split by |, e.g. vision_tower|visual); the first matching key "
+        "counts, the rest scale 1")
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -77,7 +81,8 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, where: str = "optim
     groups: dict[str, list[torch.nn.Parameter]] = {key: [] for key in [*cfg.lr_scale, ""]}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            groups[next((k for k in cfg.lr_scale if f".{k}." in f".{name}."), "")].append(param)
+            groups[next((k for k in cfg.lr_scale if any(f".{run}." in f".{name}." for run in k.split("|"))),
+                        "")].append(param)
     for key, params in groups.items():
         if key and not params:
             example = next((name for name, _ in model.named_parameters()), "")
