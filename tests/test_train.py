@@ -278,8 +278,15 @@ def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_s
     assert moved["model.language_model.weight"] == pytest.approx(5e-4, rel=1e-3)
     assert set_lr(optimizer, 5, cfg) == 1e-3
     assert sorted(group["lr"] for group in optimizer.param_groups) == pytest.approx([1e-3, 1e-2])
-    with pytest.raises(ValueError, match=r"stages.train.config.optim.lr_scale.vision: no trainable parameter"):
-        make_optimizer(model, OptimConfig(lr_scale={"vision": 2.0}), "stages.train.config.optim")
+    resumed_cfg = cfg.model_copy(update={"lr_scale": {"model.vision_tower|visual": 5.0}})
+    resumed = make_optimizer(model, resumed_cfg)
+    resumed.load_state_dict(optimizer.state_dict())  # the configured scale holds, not the checkpoint's
+    set_lr(resumed, 5, resumed_cfg)
+    assert sorted(group["lr"] for group in resumed.param_groups) == pytest.approx([1e-3, 5e-3])
+    with pytest.raises(ValueError, match=r"optim.lr_scale.vision_towr: takes no trainable .* \['vision_tower'\]"):
+        make_optimizer(model, OptimConfig(lr_scale={"vision_towr": 2.0}), "stages.train.config.optim")
+    with pytest.raises(ValueError, match=r"lr_scale.vision_tower: .* or an earlier key took them"):
+        make_optimizer(model, OptimConfig(lr_scale={"model": 2.0, "vision_tower": 0.5}))
 
 
 def test_a_stale_token_is_refused_naming_its_sample():
