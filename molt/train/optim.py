@@ -3,9 +3,9 @@
     lr(k) = lr * (k + 1) / warmup_steps                          for k < warmup_steps
     lr(k) = lr * (m + (1 - m) * f(p)),  p = (k - w) / max(total - w, 1) otherwise, clamped to [0, 1]
 
-with w = ``warmup_steps``, total = ``total_steps``, m = ``min_lr_ratio`` and f = 1 (constant), 1 - p (linear) or (1 + cos(pi p)) / 2
-(cosine). Example: lr 1e-6, warmup 2, total 6, linear, m 0: steps 0..5 use
-[5e-7, 1e-6, 1e-6, 7.5e-7, 5e-7, 2.5e-7].
+with w = ``warmup_steps``, total = ``total_steps``, m = ``min_lr_ratio`` and f = 1
+(constant), 1 - p (linear) or (1 + cos(pi p)) / 2 (cosine). Example: lr 1e-6, warmup 2,
+total 6, linear, m 0: steps 0..5 use [5e-7, 1e-6, 1e-6, 7.5e-7, 5e-7, 2.5e-7].
 
     optim: {lr: 1.0e-6, weight_decay: 0.0, grad_clip: 1.0, warmup_steps: 10,
             decay: cosine, total_steps: 500, min_lr_ratio: 0.1}
@@ -84,17 +84,16 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, where: str = "optim
     """
     lr_factor(cfg.warmup_steps, cfg)  # fail at setup, not mid-run, on a bad schedule
     groups: dict[str, list[torch.nn.Parameter]] = {key: [] for key in [*cfg.lr_scale, ""]}
-    names = [name for name, param in model.named_parameters() if param.requires_grad]
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            groups[next((k for k in cfg.lr_scale if any(f".{run.strip()}." in f".{name}." for run in k.split("|"))),
-                        "")].append(param)
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    for name, param in trainable:
+        matches = (k for k in cfg.lr_scale if any(f".{run.strip()}." in f".{name}." for run in k.split("|")))
+        groups[next(matches, "")].append(param)
     for key, params in groups.items():
         if key and not params:
-            close = difflib.get_close_matches(key, sorted({part for n in names for part in n.split(".")}))
+            close = difflib.get_close_matches(key, sorted({part for n, _ in trainable for part in n.split(".")}))
             raise ValueError(f"{where}.lr_scale.{key}: takes no trainable parameter (none matches, or an earlier "
                              f"key took them); hint: a run of dotted components of a parameter name, e.g. "
-                             f"{close or names[:1]}")
+                             f"{close or [n for n, _ in trainable[:1]]}")
     optimizer = torch.optim.AdamW([{"params": params, "lr_scale_key": key} for key, params in groups.items() if params],
                                   lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     set_lr(optimizer, 0, cfg)
