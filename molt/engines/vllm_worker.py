@@ -43,7 +43,7 @@ from safetensors import safe_open
 from torch import nn
 
 from molt.engines.vllm_routing import RoutingRecorder
-from molt.engines.weights import iter_weights
+from molt.engines.weights import iter_weights, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class MoltWorkerExtension:
         for layer in tied_unloaded_layers(model, names):
             layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
         repack_cpu_experts(model)
+        release_freed_memory()  # the reload's copies (molt.engines.weights)
         seconds = time.perf_counter() - start
         logger.info("molt: reloaded weights from %s in %.2f s", path, seconds)
         return {"digests": digests, "seconds": seconds}

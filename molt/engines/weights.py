@@ -22,6 +22,7 @@ probe request takes 0.09 s.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import time
@@ -39,6 +40,19 @@ from molt.engines.base import Engine
 from molt.engines.probe import Probe, check_probe, check_probe_changed
 
 logger = logging.getLogger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of freed heap memory back to the OS (glibc ``malloc_trim(0)``; a no-op without glibc).
+    PyTorch on CPU allocates with malloc, and glibc keeps freed memory in its heaps for reuse.
+    Measured on the VLM MoE of ``pipelines/vlm_moe.yaml`` (1.5 GB fp32 weights, 2 cores): its
+    trainer held 3.3 GB after loading and 9.8 GB after each step, 5.9 GB (weights, AdamW state)
+    after this call (0.3-0.4 s). Two runs without it were OOM-killed on 24 GiB (1.5 GB of
+    /dev/shm left by a killed test counted too); with it, a run kept >= 2.0 GiB available.
+    Called by the train stage after loading and each step, and by vLLM workers after reloads.
+    """
+    if (trim := getattr(ctypes.CDLL(None), "malloc_trim", None)) is not None:  # the process's own C library
+        trim(0)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
