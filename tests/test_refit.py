@@ -255,12 +255,13 @@ def test_a_vllm_refit_that_does_not_reach_the_model_is_caught_by_the_probe(vllm_
 
 
 _TRIM_CHILD = """
+import os
 import torch
 from molt.engines.weights import release_freed_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
 
 big = torch.ones(16 << 20, dtype=torch.uint8)
 del big  # freeing a 16 MB mmapped block raises glibc's mmap threshold above 1 MB
