@@ -42,7 +42,6 @@ import torch
 from pydantic import Field
 
 from molt.checkpoint import read_replica_state
-from molt.engines.weights import release_freed_memory
 from molt.models import export_path
 from molt.schema import batch_from_rows
 from molt.stage import Port, Service, StageConfig
@@ -103,7 +102,6 @@ class Train(Service):
         check_moe_keys(c, model.router_probe is not None, key)
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer(self.model, c.optim, f"{key}.optim")
-        release_freed_memory()  # the loader's copies: 1.5 GB of the VLM MoE's 3.3 GB
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False
@@ -137,7 +135,6 @@ class Train(Service):
         lag_sum, lag_tokens = _lag_sum(batch, self.version)
         self.lag_sum, self.lag_tokens = self.lag_sum + lag_sum, self.lag_tokens + lag_tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
-        release_freed_memory()  # the step's gradients and activations, before the export (molt.engines.weights)
         self.version += 1
         seconds = time.monotonic() - start
         reward = _mean_reward(batch)

@@ -49,7 +49,7 @@ def release_freed_memory() -> None:
     trainer held 3.3 GB after loading and 9.8 GB after each step, 5.9 GB (weights, AdamW state)
     after this call (0.3-0.4 s). Two runs without it were OOM-killed on 24 GiB (1.5 GB of
     /dev/shm left by a killed test counted too); with it, a run kept >= 2.0 GiB available.
-    Called by the train stage after loading and each step, and by vLLM workers after reloads.
+    Called after loading a policy and each optimizer step (molt.train), and by vLLM workers after reloads.
     """
     if (trim := getattr(ctypes.CDLL(None), "malloc_trim", None)) is not None:  # the process's own C library
         trim(0)

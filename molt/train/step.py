@@ -44,6 +44,7 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
+from molt.engines.weights import release_freed_memory
 from molt.multimodal import VisionInputs, packed_vision_inputs, row_images
 from molt.schema import make_schema
 from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
@@ -274,12 +275,13 @@ def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConf
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    grad_clip: float | None) -> float:
-    """Clip the global grad norm (all ranks), step, zero grads; returns the norm before clipping."""
+    """Clip the global grad norm (all ranks), step, zero grads, `release_freed_memory`; returns the pre-clip norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    release_freed_memory()
     return float(full)
 
 
