@@ -43,13 +43,13 @@ logger = logging.getLogger(__name__)
 
 
 def release_freed_memory() -> None:
-    """Hand the pages of freed heap memory back to the OS (glibc ``malloc_trim(0)``; a no-op without glibc).
-    PyTorch on CPU allocates with malloc, and glibc keeps freed memory in its heaps for reuse.
-    Measured on the VLM MoE of ``pipelines/vlm_moe.yaml`` (1.5 GB fp32 weights, 2 cores): its
-    trainer held 3.3 GB after loading and 9.8 GB after each step, 5.9 GB (weights, AdamW state)
-    after this call (0.3-0.4 s). Two runs without it were OOM-killed on 24 GiB (1.5 GB of
-    /dev/shm left by a killed test counted too); with it, a run kept >= 2.0 GiB available.
-    Called after loading a policy and each optimizer step (molt.train), and by vLLM workers after reloads.
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim(0)``; a no-op without glibc).
+
+    glibc keeps what PyTorch on CPU frees for reuse. On ``pipelines/vlm_moe.yaml``'s VLM MoE (1.5 GB
+    fp32, 2 cores) the trainer held 3.3 GB after loading, 9.8 GB after each step and 5.9 GB (weights,
+    AdamW state) after this call (0.3-0.4 s); two runs without it were OOM-killed on 24 GiB (beside
+    1.5 GB of /dev/shm a killed test left), one with it kept >= 2.0 GiB available. Called after
+    loading a policy and each optimizer step (molt.train), and by vLLM workers after reloads.
     """
     if (trim := getattr(ctypes.CDLL(None), "malloc_trim", None)) is not None:  # the process's own C library
         trim(0)
