@@ -1,11 +1,13 @@
 """The ``molt`` command: run, graph, replay, inspect, models.
 
-``molt run PIPELINE.yaml [--set key=value ...] [--run-dir DIR | --resume RUN_DIR]``
+``molt run PIPELINE.yaml [--set key=value ...] [--seed N] [--run-dir DIR | --resume RUN_DIR]``
+``molt sweep PIPELINE.yaml --seeds N [--set ...] [--out DIR] [--threshold KEY=VALUE [--lower-bound]]``
+``molt compare A B --metric NAME [--margin M]``
 ``molt graph PIPELINE.yaml``
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt replay RUN_DIR --from-step K [--set ...]``
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
-``molt plot RUN_DIR``
+``molt plot RUN_DIR | SWEEP_DIR [SWEEP_DIR]``
 ``molt models prepare NAME``
 ``molt models upcycle SOURCE OUT [--experts E] [--top-k K] [--seed S]``
 ``molt models vlm SOURCE OUT [--image-size PX] [--patch-size PX] [--vision-hidden H] [--vision-layers N]
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import json
 import os
 import signal
 import sys
@@ -36,7 +39,7 @@ def _interrupt(*_: Any) -> NoReturn:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate and run a pipeline; exit code 0 on a clean drain."""
-    pipe = Pipeline.from_yaml(args.pipeline, args.set)
+    pipe = Pipeline.from_yaml(args.pipeline, args.set + ([] if args.seed is None else [f"seed={args.seed}"]))
     if args.resume and args.run_dir:
         raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; hint: pass only --resume")
     return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
@@ -58,6 +61,33 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     return Runner(pipe, path, resume=resume).run()
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run a pipeline once per seed and summarise the seeds (molt.sweep)."""
+    from molt.sweep import Sweep, Threshold
+
+    threshold = Threshold.parse(args.threshold, args.lower_bound) if args.threshold else None
+    sweep = Sweep(args.pipeline, args.set, Path(args.out or f"runs/{Path(args.pipeline).stem}-sweep"), args.seeds,
+                  threshold)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    code = sweep.run()
+    print(sweep.out / "sweep.json")
+    return code
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Compare two arms of runs on one metric (molt.stats.compare); prints the verdict."""
+    from molt.stats import compare
+    from molt.sweep import arm_values
+
+    a, b = arm_values(args.a, args.metric), arm_values(args.b, args.metric)
+    result = compare(list(a.values()), list(b.values()), args.metric, args.margin, args.confidence)
+    print(f"A = {args.a} ({', '.join(a)})\nB = {args.b} ({', '.join(b)})\n{result.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+    return 0
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -214,9 +244,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from molt.plot import plot_run
+    from molt.plot import plot_run, plot_sweeps
 
-    for path in plot_run(Path(args.run_dir)):
+    dirs = [Path(d) for d in args.run_dir]
+    for path in plot_sweeps(dirs) if (dirs[0] / "sweep.json").is_file() or len(dirs) > 1 else plot_run(dirs[0]):
         print(path)
     return 0
 
@@ -248,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="a new or empty folder for the run (default: runs/NAME-TIMESTAMP)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest complete "
                      "checkpoint (same pipeline and --set values)")
+    run.add_argument("--seed", type=int, help="the run's seed (as --set seed=N; molt.seeds)")
+    sweep = _statistics_commands(sub)
     graph = sub.add_parser("graph", help="print the validated DAG")
     graph.add_argument("pipeline", help="a pipeline YAML file")
     replay = sub.add_parser("replay", help="re-run stages offline from a recorded edge")
@@ -259,15 +292,16 @@ def parser() -> argparse.ArgumentParser:
     replay.add_argument("--into", help="the stage (or stage.port) the recording feeds; default: the recorded "
                         "edge's consumer, read from the RUN_DIR/record/EDGE folder name")
     replay.add_argument("--run-dir", help="a new or empty folder (default: runs/NAME-replay-TIMESTAMP)")
-    for sp in (run, graph, replay):
+    for sp in (run, graph, replay, sweep):
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a YAML value, e.g. stages.source.config.num_groups=4")
     insp = sub.add_parser("inspect", help="summarise a recorded Arrow file")
     insp.add_argument("file")
     insp.add_argument("--tokenizer", help="a model folder or name whose tokenizer decodes token_ids")
     insp.add_argument("--samples", type=int, default=1)
-    plot = sub.add_parser("plot", help="write PNG curves of a run into RUN_DIR/plots/")
-    plot.add_argument("run_dir")
+    plot = sub.add_parser("plot", help="write PNG curves of a run into RUN_DIR/plots/, of a sweep (mean, "
+                          "interval, every seed), or of two sweeps overlaid")
+    plot.add_argument("run_dir", nargs="+", help="a run folder, a sweep folder, or two sweep folders")
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)
     prep = msub.add_parser("prepare", help="convert a model into a local Hugging Face folder")
@@ -293,12 +327,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _statistics_commands(sub: Any) -> argparse.ArgumentParser:
+    """``molt sweep`` and ``molt compare``; returns the sweep's parser (it takes --set too)."""
+    sweep = sub.add_parser("sweep", help="run a pipeline once per seed; sweep.json: means and 95%% intervals")
+    sweep.add_argument("pipeline", help="a pipeline YAML file")
+    sweep.add_argument("--seeds", type=int, required=True, help="seeds 0 .. N-1, one run each")
+    sweep.add_argument("--out", help="the sweep's folder (default: runs/PIPELINE-sweep); again: resume it")
+    sweep.add_argument("--threshold", metavar="KEY=VALUE", help="time to threshold per seed, e.g. "
+                       "evaluate/accuracy=0.7")
+    sweep.add_argument("--lower-bound", action="store_true", help="the threshold is reached when the value minus "
+                       "its KEY_stderr reaches it")
+    comp = sub.add_parser("compare", help="compare two sweeps (or run lists) on one metric: difference, "
+                          "equivalence, verdict")
+    comp.add_argument("a", help="arm A: a sweep folder, run folders joined by commas, or a JSON file of runs")
+    comp.add_argument("b", help="arm B, the same forms")
+    comp.add_argument("--metric", required=True, help="a results: name (e.g. accuracy_final) or a metric key")
+    comp.add_argument("--margin", type=float, help="equivalence margin, in the metric's unit (e.g. 0.05)")
+    comp.add_argument("--confidence", type=float, default=0.95, help="of the intervals; tests at 1 - this")
+    comp.add_argument("--json", help="also write the comparison to this JSON file")
+    return sweep
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # custom stages and envs by import path from here, as the runner's processes
         sys.path.insert(0, os.getcwd())
-    handlers = {"run": cmd_run, "graph": cmd_graph, "replay": cmd_replay, "inspect": cmd_inspect,
-                "plot": cmd_plot, "models": cmd_models}
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "graph": cmd_graph,
+                "replay": cmd_replay, "inspect": cmd_inspect, "plot": cmd_plot, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except ValueError as e:

@@ -107,6 +107,8 @@ class PipelineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = "pipeline"
     run_dir: str | None = None
+    seed: int = Field(0, description="the run's seed: dataset order, sampling and trainer randomness derive "
+                      "from it (molt.seeds); `molt run --seed N`, `molt sweep` one run per seed")
     transport: Literal["ipc", "tcp"] = "ipc"
     host: str = Field("127.0.0.1", description="the interface tcp edges bind to (loopback unless set)")
     curve: bool = Field(True, description="tcp edges: CURVE authentication and encryption with per-run keys "

@@ -19,6 +19,12 @@ Writes into ``RUN_DIR/plots/``:
                        load over its layer's mean (``train/moe/load_max``; 1 = balanced)
 
 A figure whose metrics the run does not have is skipped (and not listed).
+
+``molt plot SWEEP_DIR [SWEEP_DIR]`` (molt.sweep): into the first folder's ``plots/``, per
+curve of ``sweep.json`` (a results metric logged at policy versions) ``sweep_{key}.png``:
+the seeds' mean with its 95% interval as a band, every seed faint behind it (two sweeps
+overlaid in two colours); and ``sweep_threshold.png``: each seed's time to the threshold,
+"never" drawn at the right edge.
 """
 
 from __future__ import annotations
@@ -149,4 +155,70 @@ def _expert_load(series: Series) -> Any:
         twin.plot(*zip(*series["train/moe/load_max"]), color="black", linestyle="--", label="load_max")
         twin.set_ylabel("busiest expert / layer mean (dashed)")
     ax.legend(fontsize=7, ncol=2)
+    return figure
+
+
+def plot_sweeps(sweep_dirs: Sequence[Path]) -> list[Path]:
+    """Write the sweep figures of the module docstring for one or two sweeps; returns the files.
+
+    Raises:
+        ValueError: a folder without ``sweep.json``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sweeps = {}
+    for d in sweep_dirs:
+        if not (Path(d) / "sweep.json").is_file():
+            raise ValueError(f"{d}: no sweep.json; hint: molt plot takes one run folder, or sweep folders made "
+                             "by molt sweep")
+        sweeps[Path(d).name] = json.loads((Path(d) / "sweep.json").read_text())
+    out = Path(sweep_dirs[0]) / "plots"
+    out.mkdir(exist_ok=True)
+    written = []
+    for key in dict.fromkeys(k for s in sweeps.values() for k in s.get("curves", {})):
+        figure = _sweep_curve(sweeps, key)
+        written.append(out / f"sweep_{key.replace('/', '_')}.png")
+        figure.savefig(written[-1], dpi=100, bbox_inches="tight")
+    if any("threshold" in s for s in sweeps.values()):
+        written.append(out / "sweep_threshold.png")
+        _sweep_threshold(sweeps).savefig(written[-1], dpi=100, bbox_inches="tight")
+    return written
+
+
+def _sweep_curve(sweeps: dict[str, Any], key: str) -> Any:
+    figure, ax = _figure(f"{key}: mean of seeds, 95% interval", "policy version", key)
+    for (label, sweep), color in zip(sweeps.items(), ("tab:blue", "tab:orange")):
+        curve = sweep.get("curves", {}).get(key)
+        if not curve:
+            continue
+        versions = [int(v) for v in curve]
+        for seed in sweep["seeds"]:
+            points = [(int(v), c["per_seed"][str(seed)]) for v, c in curve.items() if str(seed) in c["per_seed"]]
+            if points:
+                ax.plot(*zip(*points), color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(versions, [c["mean"] for c in curve.values()], color=color, marker="o",
+                label=f"{label} (n = {max(c['n'] for c in curve.values())})")
+        bands = [(int(v), *c["ci"]) for v, c in curve.items() if c["ci"] is not None]
+        if bands:
+            ax.fill_between(*zip(*[(v, lo) for v, lo, _ in bands]), [hi for *_, hi in bands], color=color, alpha=0.2)
+    ax.legend(fontsize=7)
+    return figure
+
+
+def _sweep_threshold(sweeps: dict[str, Any]) -> Any:
+    figure, ax = _figure("time to threshold per seed", "minutes from the start of molt run", "")
+    reached = [r["seconds"] / 60 for s in sweeps.values() for r in s.get("threshold", {}).get("per_seed", {}).values()
+               if r is not None]
+    edge = max(reached, default=1.0) * 1.1
+    for row, (label, sweep) in enumerate(sweeps.items()):
+        t = sweep.get("threshold")
+        if t is None:
+            continue
+        times = [edge if r is None else r["seconds"] / 60 for r in t["per_seed"].values()]
+        never = sum(r is None for r in t["per_seed"].values())
+        ax.scatter(times, [row] * len(times), marker="o", alpha=0.7)
+        ax.annotate(f"{never} never" if never else "", (edge, row), fontsize=7)
+    ax.set_yticks(range(len(sweeps)), [f"{label}\n{s.get('threshold', {}).get('metric', '')} >= "
+                                       f"{s.get('threshold', {}).get('value', '')}" for label, s in sweeps.items()])
     return figure

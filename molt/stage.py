@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from molt.checkpoint import checkpoint_dir, read_replica_state, write_json_atomic
 from molt.metrics import MetricsWriter, get_logger
 from molt.ports import InputPort, OutputPort
+from molt.seeds import derive_seed
 from molt.transport import Barrier
 
 
@@ -96,6 +97,12 @@ class StageContext:
     metrics: MetricsWriter | None = None
     group: Any = None  # molt.worker.GroupChannel for torchrun groups
     resume_from: Path | None = None  # checkpoint folder this run resumes from
+    seed: int = 0  # the pipeline's seed (molt.seeds)
+
+    def seed_for(self, *parts: object) -> int:
+        """This stage's own seed, derived from the run's: ``derive_seed(seed, stage_id, *parts)``
+        (pass the replica as a part where replicas must draw apart; molt.seeds)."""
+        return derive_seed(self.seed, self.stage_id, *parts)
 
 
 class Stage:

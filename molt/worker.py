@@ -116,7 +116,8 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
     host = pipe.stages[node.colocate_with] if node.colocate_with else node
     name = f"{node.id}.{replica}"
     resume_from, recorded = resume_plan(run_dir, name) if node.id in pipe.checkpointed() else (None, {})
-    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size, resume_from=resume_from)
+    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size, resume_from=resume_from,
+                       seed=pipe.spec.seed)
     suffix = "" if world_size == 1 else f".rank{rank}"
     ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,
                                 node.id, replica)

@@ -47,7 +47,7 @@ class DatasetSource(Source):
         prompts_per_batch: int = Field(8, ge=1, description="prompts (rows) per emitted batch")
         num_epochs: int | None = Field(1, ge=1, description="passes over a finite task; null = forever")
         shuffle: bool | None = Field(None, description="reshuffle each epoch; default true (finite tasks)")
-        seed: int = Field(0, description="seed of the per-epoch shuffle")
+        seed: int | None = Field(None, description="seed of the per-epoch shuffle; None = the run's (molt.seeds)")
         checkpoint_every_batches: int = Field(0, ge=0, description="checkpoint barrier every k batches; 0 = none")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}
@@ -64,7 +64,8 @@ class DatasetSource(Source):
         self.schema = make_schema(resolve_fields(WRITES, "DatasetSource"), "trajectory")
         self.task: Task = c.task.load()
         self._warn_ignored()
-        node = PromptNode(self.task, num_epochs=c.num_epochs, shuffle=c.shuffle is not False, seed=c.seed,
+        node = PromptNode(self.task, num_epochs=c.num_epochs, shuffle=c.shuffle is not False,
+                          seed=ctx.seed_for("shuffle") if c.seed is None else c.seed,
                           replica=ctx.replica, num_replicas=ctx.num_replicas)
         self._batches = prompt_batches(node, c.prompts_per_batch)
         skipped = len(self.task.skipped)

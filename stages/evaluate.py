@@ -90,9 +90,10 @@ class Evaluate(Service):
             raise ValueError(f"stages.{self.ctx.stage_id}.config.task: evaluation needs a finite task; got an "
                              "endless stream; hint: set task.num_problems")
         self.problems = [task.record(i) for i in range(task.num_records)]
-        model_dir = resolve_model(c.model)
+        model_dir, replica = resolve_model(c.model), self.ctx.replica
         self.chat = ChatTemplate.for_model(model_dir)
-        self.engine = make_engine(c.engine, str(model_dir), f"stages.{self.ctx.stage_id}.config.engine", self.ctx.replica)
+        self.engine = make_engine(c.engine, str(model_dir), f"stages.{self.ctx.stage_id}.config.engine", replica,
+                                  self.ctx.seed_for(replica))
         self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
@@ -106,8 +107,7 @@ class Evaluate(Service):
         receiver = asyncio.create_task(self._receive(received))
         await self.evaluate()
         last: dict[str, Any] | None = None
-        due = False  # a version divisible by every_versions was published since the last evaluation
-        end = False
+        due = end = False  # due: a version divisible by every_versions was published since the last evaluation
         while not end:
             # 1) every record received  2) keep the newest linked one  3) load + evaluate if due
             waiting = [await received.get()]

@@ -54,7 +54,7 @@ class Rollout(Service):
         group_size: int = Field(4, ge=1, description="rollouts per prompt (n)")
         temperature: float = Field(1.0, ge=0)
         max_new_tokens: int = Field(256, ge=1, description="per policy turn")
-        seed: int | None = Field(None, description="per-request seeds (transformers engine only)")
+        seed: int | None = Field(None, description="per-request seeds (transformers engine); None = the run's")
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
         agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
         max_turns: int = Field(1, ge=1, description="policy turns per rollout (env/agent); more is cut")
@@ -79,12 +79,12 @@ class Rollout(Service):
 
     def setup(self) -> None:
         c = self.config
-        where = f"stages.{self.ctx.stage_id}.config"
+        where, replica = f"stages.{self.ctx.stage_id}.config", self.ctx.replica
         self.env_cls: type[Env] = import_class(c.env, f"{where}.env") if c.env else SingleTurn
         self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(self.model_dir)
-        self.engine = make_engine(c.engine, str(self.model_dir), f"{where}.engine", self.ctx.replica)
+        self.engine = make_engine(c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None

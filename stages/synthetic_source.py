@@ -37,7 +37,7 @@ class SyntheticSource(Source):
         prompt_tokens: int = Field(8, ge=1, description="tokens per prompt")
         max_new_tokens: int = Field(16, ge=1, description="completion length is 1..this")
         vocab_size: int = Field(1000, ge=2)
-        seed: int = 0
+        seed: int | None = Field(None, description="None = the run's (molt.seeds)")
         checkpoint_every_batches: int = Field(0, ge=0, description="0 = no checkpoint barriers")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}
@@ -66,7 +66,7 @@ class SyntheticSource(Source):
 
     def _group(self, g: int) -> list[dict]:
         c = self.config
-        rng = random.Random(c.seed * 1_000_003 + g)
+        rng = random.Random((self.ctx.seed_for() if c.seed is None else c.seed) * 1_000_003 + g)
         prompt = [rng.randrange(c.vocab_size) for _ in range(c.prompt_tokens)]
         rows = []
         for k in range(c.group_size):

@@ -75,7 +75,7 @@ class Train(Service):
                                           "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
         export_model: str | None = Field(None, description="at the end: write the policy as a HF folder, this name "
                                           "in the model cache (then a model name) or a path with '/'")
-        seed: int = 0
+        seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.seeds)")
         optim: OptimConfig = Field(default_factory=OptimConfig)
 
     config: Config
@@ -93,7 +93,7 @@ class Train(Service):
 
         c = self.config
         check_objective(c, f"stages.{self.ctx.stage_id}.config")
-        torch.manual_seed(c.seed)
+        torch.manual_seed(self.ctx.seed_for() if c.seed is None else c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
         key = f"stages.{self.ctx.stage_id}.config"

@@ -42,9 +42,12 @@ class EngineConfig(BaseModel):
         "(vLLM's weight-transfer API; CUDA; the broadcast stage's transport must match; molt.engines.transport)")
 
 
-def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", replica: int = 0) -> Engine:
+def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", replica: int = 0,
+                seed: int = 0) -> Engine:
     """Start the configured engine on a local Hugging Face folder; ``where`` is the YAML path of
-    ``config`` (for errors), ``replica`` the stage replica (its NCCL ranks, for ``transport: nccl``).
+    ``config`` (for errors), ``replica`` the stage replica (its NCCL ranks, for ``transport: nccl``),
+    ``seed`` its sampling seed (vLLM's engine-wide seed, its low 32 bits as numpy's seeding takes;
+    the transformers engine's per-request generators; molt.seeds).
 
     Raises:
         ValueError: ``transport`` nccl without CUDA or with the transformers engine, or a model vLLM
@@ -63,7 +66,7 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
 
             workers = config.tensor_parallel_size
             transfer = WeightTransfer(backend, TransferReceiver(rank_offset(replica, workers), workers))
-        return VLLMEngine(model_dir, dtype=config.dtype, max_model_len=config.max_model_len,
+        return VLLMEngine(model_dir, dtype=config.dtype, seed=seed % 2**32, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
                           record_routing=config.record_routing, weight_transfer=transfer,
                           engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
@@ -81,4 +84,5 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     if ignored := sorted(k for k in VLLM_ONLY if getattr(config, k) != EngineConfig.model_fields[k].default):
         logger.warning("%s: %s set but ignored by the transformers engine (vLLM only)", where, ", ".join(ignored))
 
-    return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing)
+    return TransformersEngine(model_dir, dtype=getattr(torch, config.dtype), record_routing=config.record_routing,
+                              seed=seed)

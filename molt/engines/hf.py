@@ -17,17 +17,17 @@ for each later token, its cache position plus the prompt's offset (max position 
 kept per request; the model's own cached offset would be another request's when
 requests interleave.
 
-Seeding: a request with `seed=s` samples from a torch generator seeded with
-blake2b(f"{s}/{request_id}"), so the same (seed, request_id) reproduces the
-same completion across runs, and n samples of one prompt sent with one seed
-and ids "p/0".."p/3" draw four independent streams.
+Seeding: a request with `seed=s` (else the engine's `seed`, the run's: molt.seeds)
+samples from a torch generator seeded with molt.seeds.derive_seed(s, request_id),
+so the same (seed, request_id) reproduces the same completion across runs, and n
+samples of one prompt sent with one seed and ids "p/0".."p/3" draw four independent
+streams; with neither seed, fresh randomness.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -39,18 +39,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreT
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
 from molt.engines.weights import check_weights_file, checkpoint_layout, checkpoint_shapes, tensor_digest
 from molt.multimodal import VisionProcessor, mrope_positions
+from molt.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
-
-
-def request_seed(seed: int, request_id: str) -> int:
-    """Derive a 63-bit generator seed from a user seed and a request id.
-
-    Example: request_seed(7, "q1/0") != request_seed(7, "q1/1"); both are
-    the same on every run and machine.
-    """
-    digest = hashlib.blake2b(f"{seed}/{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def eos_token_ids(model: PreTrainedModel) -> set[int]:
@@ -92,10 +83,12 @@ class TransformersEngine(Engine):
         record_routing: record the experts each MoE router chose for every token it
             processed (forward hooks on the routers, molt.train.moe.routers) as
             `Completion.routed_experts`; ValueError for a dense model.
+        seed: the seed of requests that bring none (the run's: molt.seeds); None = fresh randomness.
     """
 
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", policy_version: int = 0, record_routing: bool = False) -> None:
+                 device: str = "cpu", policy_version: int = 0, record_routing: bool = False,
+                 seed: int | None = None) -> None:
         self.vision = VisionProcessor.of(model) if isinstance(model, str) else None
         self._checkpoint_shapes = checkpoint_shapes(model) if isinstance(model, str) else {}
         if isinstance(model, str):
@@ -105,7 +98,7 @@ class TransformersEngine(Engine):
         self._model: PreTrainedModel | None = model.to(device).eval()  # type: ignore[arg-type]
         self._device = torch.device(device)
         self._eos_ids = eos_token_ids(model)
-        self._version = policy_version
+        self._version, self._seed = policy_version, seed
         self._requests: dict[str, _Request] = {}
         self._step_lock = asyncio.Lock()
         self._unpaused = asyncio.Event()
@@ -237,12 +230,13 @@ class TransformersEngine(Engine):
                 for name, t in state.items()}
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        """A generator seeded from (seed, request_id), or freshly when seed is None."""
+        """A generator seeded from (the request's seed, else the engine's; request_id), else freshly."""
         generator = torch.Generator(device=self._device)
-        if params.seed is None:
+        seed = self._seed if params.seed is None else params.seed
+        if seed is None:
             generator.seed()
         else:
-            generator.manual_seed(request_seed(params.seed, request_id))
+            generator.manual_seed(derive_seed(seed, request_id))
         return generator
 
     async def pause(self) -> None:

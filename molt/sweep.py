@@ -1,0 +1,300 @@
+"""``molt sweep``: one run of a pipeline per seed, and what the seeds say together.
+
+``molt sweep PIPELINE.yaml --seeds N [--set ...] [--out DIR] [--threshold KEY=VALUE [--lower-bound]]``
+runs ``molt run PIPELINE.yaml --seed K --run-dir DIR/seed_K`` for K = 0 .. N-1 (each run's
+own output in ``DIR/seed_K.log``): one after another, each with the machine to
+itself; all at once when the pipeline places its processes on Ray (``placement.backend:
+ray``), each run reserving its own placement on the cluster. One live table shows every
+seed (state, minutes, its latest ``results:`` values); off a terminal, a line per change.
+
+Started again with the same pipeline and ``--set`` values (and any ``--seeds``), it keeps
+the finished seeds (status ok), resumes an unfinished one from its newest complete
+checkpoint, and restarts one that has none. A seed that fails is reported, left out of
+the statistics, and tried again by the next ``molt sweep`` of that folder.
+
+``DIR/sweep.json`` (rewritten after every run; molt.stats.summarize for each summary)::
+
+    runs:      {"0": {"status": "ok", "wall_s": 702.1, "started_unix": ..., "starts": 1}, ...}
+    results:   per name of the pipeline's results: map, the seeds' values and their
+               mean, std, sem and 95% t interval, e.g. {"accuracy_final": {"n": 5,
+               "mean": 0.81, "ci": [0.76, 0.86], "per_seed": {"0": 0.79, ...}, ...}}
+    curves:    per results metric logged at a step (an evaluation, at a policy version):
+               {"evaluate/accuracy": {"8": {summary of the seeds' values at v8}, ...}}
+    threshold: {"metric", "value", "lower_bound", "per_seed": {"0": {"seconds": 431.0,
+               "version": 16} or null (never)}, "success_rate", "median_seconds"}
+
+Time to threshold: seconds from the first start of the seed's ``molt run`` to the first
+line of the metric whose value (with ``--lower-bound``: value minus its ``KEY_stderr``)
+reached the threshold; a seed resumed after a stop counts the stopped time too (its
+``starts`` says so). The median counts "never" as later than any time (null when more
+than half never reached it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from math import inf
+from typing import Any
+
+from molt.checkpoint import complete_checkpoints, replica_names
+from molt.metrics import get_logger
+from molt.pipeline import Pipeline
+from molt.stats import first_reach, summarize
+
+log = get_logger("sweep")
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """``--threshold evaluate/accuracy=0.7`` (``lower_bound``: value minus its ``_stderr``)."""
+
+    metric: str
+    value: float
+    lower_bound: bool = False
+
+    @classmethod
+    def parse(cls, text: str, lower_bound: bool = False) -> Threshold:
+        """Raises: ValueError: not ``KEY=NUMBER``."""
+        key, _, value = text.partition("=")
+        try:
+            return cls(key.strip(), float(value), lower_bound)
+        except ValueError:
+            raise ValueError(f"--threshold {text!r}: expected KEY=NUMBER, e.g. evaluate/accuracy=0.7") from None
+
+
+def read_points(run_dir: Path) -> dict[str, list[tuple[float, int | None, float]]]:
+    """Every metric value of a run as ``key -> [(unix time, step or None, value)]``, in file order."""
+    points: dict[str, list[tuple[float, int | None, float]]] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        entry = json.loads(line)
+        for key, value in entry["values"].items():
+            points.setdefault(key, []).append((entry["time"], entry.get("step"), float(value)))
+    return points
+
+
+class Sweep:
+    """The runs of one pipeline over seeds in ``out`` (see the module docstring)."""
+
+    def __init__(self, pipeline: str, overrides: list[str], out: Path, num_seeds: int,
+                 threshold: Threshold | None = None) -> None:
+        self.pipeline, self.overrides, self.out, self.threshold = pipeline, list(overrides), Path(out), threshold
+        self.pipe = Pipeline.from_yaml(pipeline, overrides)  # every problem of the YAML before any run
+        self.seeds = list(range(num_seeds))
+        self.runs: dict[str, dict[str, Any]] = self._previous_runs()
+        self.names = replica_names(self.pipe.checkpointed())
+
+    def _previous_runs(self) -> dict[str, dict[str, Any]]:
+        """The ``runs`` of an earlier sweep in ``out``, checked to be of the same pipeline and values."""
+        path = self.out / SWEEP_FILE
+        if not path.is_file():
+            return {}
+        old = json.loads(path.read_text())
+        if (old["pipeline"], old["overrides"]) != (self.pipeline, self.overrides):
+            raise ValueError(f"{self.out}: holds a sweep of {old['pipeline']} with --set {old['overrides']}; got "
+                             f"{self.pipeline} with --set {self.overrides}; hint: pass another --out")
+        return old["runs"]
+
+    def run(self) -> int:
+        """Run every seed not finished yet, then write ``sweep.json``; 0 if every seed's run is ok,
+        1 if one failed, 130 if interrupted (SIGINT/SIGTERM: each running ``molt run`` gets one SIGINT,
+        stops cleanly, and is resumed by the next ``molt sweep``)."""
+        from rich.console import Console
+        from rich.live import Live
+
+        todo = [k for k in self.seeds if self.runs.get(str(k), {}).get("status") != "ok"]
+        at_once = len(todo) if self.pipe.spec.placement.backend == "ray" else 1
+        running: dict[int, subprocess.Popen[bytes]] = {}
+        live = Live(console=Console(stderr=True), refresh_per_second=1) if sys.stderr.isatty() else None
+        with live or contextlib.nullcontext():
+            try:
+                while todo or running:
+                    # 1) start seeds while there is room  2) collect the finished ones  3) show
+                    while todo and len(running) < at_once:
+                        seed = todo.pop(0)
+                        running[seed] = self._start(seed)
+                    for seed, proc in list(running.items()):
+                        if proc.poll() is not None:
+                            self._finished(seed, running.pop(seed).returncode)
+                    self._show(live, running)
+                    time.sleep(1.0)
+            except KeyboardInterrupt:
+                log.warning("interrupted: stopping %d run(s); `molt sweep` again resumes them", len(running))
+                for proc in running.values():  # own sessions: the terminal's Ctrl-C reached only us
+                    proc.send_signal(signal.SIGINT)
+                for seed, proc in running.items():
+                    self._finished(seed, proc.wait())
+                return 130
+            finally:
+                self.write()
+        return 0 if all(self.runs.get(str(k), {}).get("status") == "ok" for k in self.seeds) else 1
+
+    def _start(self, seed: int) -> subprocess.Popen[bytes]:
+        """``molt run`` of one seed: resumed from its newest complete checkpoint, else from scratch."""
+        run_dir = self.out / f"seed_{seed}"
+        args = [sys.executable, "-m", "molt.cli", "run", self.pipeline, "--seed", str(seed)]
+        args += [a for item in self.overrides for a in ("--set", item)]
+        resume = (run_dir / "pipeline.yaml").is_file() and complete_checkpoints(run_dir, self.names)
+        if not resume and run_dir.exists():
+            _clear(run_dir)
+        args += ["--resume" if resume else "--run-dir", str(run_dir)]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        entry = self.runs.setdefault(str(seed), {"started_unix": time.time(), "starts": 0})
+        entry.update(status="running", starts=entry["starts"] + 1)
+        log.info("seed %d: %s", seed, " ".join(args[3:]))
+        self.write()
+        with open(self.out / f"seed_{seed}.log", "ab") as out:
+            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_stop_with_parent)
+
+    def _finished(self, seed: int, code: int) -> None:
+        summary_path, log_path = self.out / f"seed_{seed}" / "summary.json", self.out / f"seed_{seed}.log"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        status = summary.get("status", "failed") if code in (0, 1, 130) else "failed"
+        error = summary.get("error") or (None if status == "ok" else log_path.read_text()[-2000:])
+        self.runs[str(seed)].update(status=status, wall_s=summary.get("wall_s"), error=error)
+        (log.info if status == "ok" else log.error)("seed %d: %s (exit %d)%s", seed, status, code,
+                                                   "" if status == "ok" else f"; see {log_path}")
+        self.write()
+
+    def _show(self, live: Any, running: dict[int, Any]) -> None:
+        if live is None:
+            return
+        from rich.table import Table
+
+        table = Table(title=f"sweep {self.out}: {self.pipe.spec.name}, {len(self.seeds)} seeds")
+        names = list(self.pipe.spec.results)[:4]
+        for column in ("seed", "state", "min", *names):
+            table.add_column(column)
+        now = time.time()
+        for k in self.seeds:
+            entry = self.runs.get(str(k), {})
+            latest = _latest(read_points(self.out / f"seed_{k}"), self.pipe.spec.results) if entry else {}
+            minutes = (now - entry["started_unix"]) / 60 if k in running else (entry.get("wall_s") or 0) / 60
+            table.add_row(str(k), entry.get("status", "waiting"), f"{minutes:.1f}" if entry else "",
+                          *(f"{latest[n]:.4g}" if latest.get(n) is not None else "" for n in names))
+        live.update(table)
+
+    def write(self) -> dict[str, Any]:
+        """Summarise the finished seeds into ``sweep.json``; returns what it wrote."""
+        ok = [k for k in self.seeds if self.runs.get(str(k), {}).get("status") == "ok"]
+        data: dict[str, Any] = {"pipeline": self.pipeline, "overrides": self.overrides,
+                                "seeds": self.seeds, "runs": self.runs}
+        data.update(summarize_runs({k: self.out / f"seed_{k}" for k in ok}, self.pipe.spec.results,
+                                   self.threshold, {k: self.runs[str(k)]["started_unix"] for k in ok}))
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / f".{SWEEP_FILE}.tmp"
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.out / SWEEP_FILE)
+        return data
+
+
+def summarize_runs(run_dirs: dict[int, Path], results: dict[str, str], threshold: Threshold | None,
+                   started: dict[int, float]) -> dict[str, Any]:
+    """``results``, ``curves`` and ``threshold`` of sweep.json over finished runs (seed -> run folder)."""
+    summaries = {k: json.loads((d / "summary.json").read_text()) for k, d in run_dirs.items()}
+    points = {k: read_points(d) for k, d in run_dirs.items()}
+    out: dict[str, Any] = {"results": {}, "curves": {}}
+    for name in results:
+        per_seed = {str(k): s["results"].get(name) for k, s in summaries.items()
+                    if s["results"].get(name) is not None}
+        if per_seed:
+            out["results"][name] = {**summarize(list(per_seed.values())), "per_seed": per_seed}
+    for key in dict.fromkeys(results.values()):
+        by_step: dict[int, dict[str, float]] = {}
+        for k, series in points.items():
+            for _, step, value in series.get(key, []):
+                if step is not None:
+                    by_step.setdefault(step, {})[str(k)] = value  # a step logged twice (resume): the later
+        if by_step:
+            out["curves"][key] = {str(s): {**summarize(list(v.values())), "per_seed": v}
+                                  for s, v in sorted(by_step.items())}
+    if threshold is not None:
+        out["threshold"] = _time_to_threshold(points, threshold, started)
+    return out
+
+
+def _time_to_threshold(points: dict[int, dict[str, list[tuple[float, int | None, float]]]],
+                       threshold: Threshold, started: dict[int, float]) -> dict[str, Any]:
+    per_seed: dict[str, dict[str, Any] | None] = {}
+    for k, series in points.items():
+        stderr = {t: v for t, _, v in series.get(f"{threshold.metric}_stderr", [])}
+        rows = series.get(threshold.metric, [])
+        timed = [(t - started[k], v, stderr.get(t)) for t, _, v in rows]
+        reached = first_reach(timed, threshold.value, threshold.lower_bound)
+        hit = next((i for i, point in enumerate(timed) if point[0] == reached), None)
+        per_seed[str(k)] = None if hit is None else {"seconds": round(timed[hit][0], 1), "version": rows[hit][1]}
+    median = statistics.median([inf if r is None else r["seconds"] for r in per_seed.values()] or [inf])
+    return {"metric": threshold.metric, "value": threshold.value, "lower_bound": threshold.lower_bound,
+            "per_seed": per_seed, "success_rate": sum(r is not None for r in per_seed.values()) / max(len(per_seed), 1),
+            "median_seconds": None if median == inf else round(median, 1)}
+
+
+def _latest(points: dict[str, list[tuple[float, int | None, float]]], results: dict[str, str]) -> dict[str, float]:
+    return {name: points[key][-1][2] for name, key in results.items() if points.get(key)}
+
+
+def _stop_with_parent() -> None:
+    """In a seed's ``molt run`` before exec: SIGTERM, a clean stop, if the sweep dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+def _clear(run_dir: Path) -> None:
+    """Empty a seed's folder that holds no complete checkpoint, so ``molt run`` starts it afresh."""
+    import shutil
+
+    log.warning("%s: no complete checkpoint; restarting it", run_dir)
+    shutil.rmtree(run_dir)
+
+
+def arm_values(arm: str, metric: str) -> dict[str, float]:
+    """One arm of ``molt compare``: the value of ``metric`` in each of its runs, by run name.
+
+    ``arm`` is a sweep folder (its finished seeds), run folders joined by commas
+    (``runs/a,runs/b``), or a JSON file of another system's runs in the form
+    ``{"runs": [{"name": "seed0", "results": {"accuracy_final": 0.81}}, ...]}`` (a
+    ``summary.json`` per run has the same ``results``). ``metric`` is a name of the
+    pipeline's ``results:`` map, else a metric key of the summary (its latest value).
+
+    Raises:
+        ValueError: a path that is none of these, or a run without ``metric`` (naming both).
+    """
+    path = Path(arm)
+    if (path / SWEEP_FILE).is_file():
+        runs = json.loads((path / SWEEP_FILE).read_text())["runs"]
+        summaries = {f"seed_{k}": _summary(path / f"seed_{k}") for k, r in runs.items() if r.get("status") == "ok"}
+    elif path.is_file():
+        try:
+            listed = json.loads(path.read_text())["runs"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{arm}: not a JSON file of the form {{\"runs\": [{{\"results\": {{...}}}}]}}") from None
+        summaries = {str(r.get("name", i)): r for i, r in enumerate(listed)}
+    else:
+        summaries = {name: _summary(Path(name)) for name in arm.split(",") if name}
+    values = {}
+    for name, summary in summaries.items():
+        value = summary.get("results", {}).get(metric, summary.get("metrics", {}).get(metric))
+        if value is None:
+            raise ValueError(f"{arm}: run {name} has no {metric!r}; its results: {sorted(summary.get('results', {}))}")
+        values[name] = float(value)
+    return values
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: not a finished run (no summary.json) nor a sweep (no {SWEEP_FILE})")
+    summary = json.loads(path.read_text())
+    if summary.get("status") != "ok":
+        log.warning("%s: status %s; its values are those it had when it stopped", run_dir, summary.get("status"))
+    return summary
