@@ -326,3 +326,15 @@ def test_vllm_abort_ends_a_request_with_abort(vllm_session):
     completion = loop.run_until_complete(scenario())
     assert completion.finish_reason == "abort"
     assert len(completion.token_ids) < 400
+
+
+def test_the_engine_seed_samples_requests_that_bring_none_and_a_request_seed_wins(tiny_model):
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    first = run(sample_n(TransformersEngine(tiny_model, seed=5), "q", params, 4))
+    again = run(sample_n(TransformersEngine(tiny_model, seed=5), "q", params, 4))
+    other = run(sample_n(TransformersEngine(tiny_model, seed=6), "q", params, 4))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    assert [c.token_ids for c in run(sample_n(TransformersEngine(tiny_model, seed=6), "q", seeded, 4))] == \
+        [c.token_ids for c in first]
