@@ -135,3 +135,26 @@ def test_an_unfinished_seed_resumes_from_its_checkpoint_and_one_without_restarts
     assert sweep.run() == 1  # the stand-ins wrote no summary: both count as failed
     assert started[0][-2:] == ["--resume", str(out / "seed_0")]
     assert started[1][-2:] == ["--run-dir", str(out / "seed_1")] and not (out / "seed_1" / "leftover").exists()
+
+
+
+def started_before_the_first_poll(tmp_path, monkeypatch, overrides):
+    """How many seeds' runs a 3-seed sweep had started when it first looked whether one had ended."""
+    started, counts = [], []
+
+    class Proc:
+        returncode = 0
+
+        def poll(self):
+            counts.append(len(started))
+            return 0
+
+    monkeypatch.setattr("molt.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Proc())
+    Sweep("pipelines/smoke.yaml", overrides, tmp_path / str(len(overrides)), 3).run()
+    assert len(started) == 3
+    return counts[0]
+
+
+def test_on_ray_every_seed_starts_at_once_and_locally_one_at_a_time(tmp_path, monkeypatch):
+    assert started_before_the_first_poll(tmp_path, monkeypatch, ["placement.backend=ray"]) == 3
+    assert started_before_the_first_poll(tmp_path, monkeypatch, []) == 1
