@@ -93,6 +93,8 @@ class Sweep:
         self.seeds = list(range(num_seeds))
         self.runs: dict[str, dict[str, Any]] = self._previous_runs()
         self.names = replica_names(self.pipe.checkpointed())
+        self._offsets: dict[int, int] = {}  # the live table's reading position in each seed's metrics.jsonl
+        self._latest_values: dict[int, dict[str, float]] = {}
 
     def _previous_runs(self) -> dict[str, dict[str, Any]]:
         """The ``runs`` of an earlier sweep in ``out``, checked to be of the same pipeline and values."""
@@ -176,14 +178,25 @@ class Sweep:
         names = list(self.pipe.spec.results)[:4]
         for column in ("seed", "state", "min", *names):
             table.add_column(column)
-        now = time.time()
         for k in self.seeds:
             entry = self.runs.get(str(k), {})
-            latest = _latest(read_points(self.out / f"seed_{k}"), self.pipe.spec.results) if entry else {}
-            minutes = (now - entry["started_unix"]) / 60 if k in running else (entry.get("wall_s") or 0) / 60
+            latest = self._latest(k) if entry else {}
+            minutes = (time.time() - entry["started_unix"]) / 60 if k in running else (entry.get("wall_s") or 0) / 60
             table.add_row(str(k), entry.get("status", "waiting"), f"{minutes:.1f}" if entry else "",
-                          *(f"{latest[n]:.4g}" if latest.get(n) is not None else "" for n in names))
+                          *(f"{latest[n]:.4g}" if n in latest else "" for n in names))
         live.update(table)
+
+    def _latest(self, seed: int) -> dict[str, float]:
+        """The latest value of each ``results:`` metric of a seed's run, reading only new metric lines."""
+        path, latest = self.out / f"seed_{seed}" / "metrics.jsonl", self._latest_values.setdefault(seed, {})
+        keys = {key: name for name, key in self.pipe.spec.results.items()}
+        if path.is_file():
+            with open(path) as f:
+                f.seek(self._offsets.get(seed, 0))
+                while (line := f.readline()).endswith("\n"):
+                    self._offsets[seed] = f.tell()
+                    latest.update({keys[k]: v for k, v in json.loads(line)["values"].items() if k in keys})
+        return latest
 
     def write(self) -> dict[str, Any]:
         """Summarise the finished seeds into ``sweep.json``; returns what it wrote."""
@@ -238,10 +251,6 @@ def _time_to_threshold(points: dict[int, dict[str, list[tuple[float, int | None,
     return {"metric": threshold.metric, "value": threshold.value, "lower_bound": threshold.lower_bound,
             "per_seed": per_seed, "success_rate": sum(r is not None for r in per_seed.values()) / max(len(per_seed), 1),
             "median_seconds": None if median == inf else round(median, 1)}
-
-
-def _latest(points: dict[str, list[tuple[float, int | None, float]]], results: dict[str, str]) -> dict[str, float]:
-    return {name: points[key][-1][2] for name, key in results.items() if points.get(key)}
 
 
 def _stop_with_parent() -> None:

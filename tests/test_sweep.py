@@ -158,3 +158,17 @@ def started_before_the_first_poll(tmp_path, monkeypatch, overrides):
 def test_on_ray_every_seed_starts_at_once_and_locally_one_at_a_time(tmp_path, monkeypatch):
     assert started_before_the_first_poll(tmp_path, monkeypatch, ["placement.backend=ray"]) == 3
     assert started_before_the_first_poll(tmp_path, monkeypatch, []) == 1
+
+
+def test_the_live_table_shows_each_seeds_state_and_latest_results(tmp_path):
+    from rich.console import Console
+
+    sweep = Sweep("pipelines/quickstart.yaml", [], tmp_path / "sweep", 2)
+    fake_run(tmp_path / "sweep" / "seed_0", 0, [0.2, 0.7])
+    sweep.runs["0"] = {"status": "running", "started_unix": 0.0, "starts": 1}
+    shown = []
+    sweep._show(type("Live", (), {"update": lambda self, table: shown.append(table)})(), {0: None})
+    console = Console(record=True, width=200)
+    console.print(shown[0])
+    text = console.export_text()
+    assert "running" in text and "waiting" in text and "0.7" in text  # accuracy_final of seed 0 so far
