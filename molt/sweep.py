@@ -18,7 +18,7 @@ the statistics, and tried again by the next ``molt sweep`` of that folder.
     results:   per name of the pipeline's results: map, the seeds' values and their
                mean, std, sem and 95% t interval, e.g. {"accuracy_final": {"n": 5,
                "mean": 0.81, "ci": [0.76, 0.86], "per_seed": {"0": 0.79, ...}, ...}}
-    curves:    per results metric logged at a step (an evaluation, at a policy version):
+    curves:    per results metric logged at a step (an evaluation, at a policy version; not a ``_stderr``):
                {"evaluate/accuracy": {"8": {summary of the seeds' values at v8}, ...}}
     threshold: {"metric", "value", "lower_bound", "per_seed": {"0": {"seconds": 431.0,
                "version": 16} or null (never)}, "success_rate", "median_seconds"}
@@ -223,7 +223,7 @@ def summarize_runs(run_dirs: dict[int, Path], results: dict[str, str], threshold
                     if s["results"].get(name) is not None}
         if per_seed:
             out["results"][name] = {**summarize(list(per_seed.values())), "per_seed": per_seed}
-    for key in dict.fromkeys(results.values()):
+    for key in dict.fromkeys(k for k in results.values() if not k.endswith("_stderr")):  # a point's own error
         by_step: dict[int, dict[str, float]] = {}
         for k, series in points.items():
             for _, step, value in series.get(key, []):

@@ -299,7 +299,7 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
     from molt.stage import StageContext
     from molt.train.model import export_names, load_policy
 
-    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica: Streaming(model_dir))
+    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed: Streaming(model_dir))
     model = load_policy(tiny_chat_model, temperature=1.0)
     state = model.state_dict()
     state = {hf: state[name] for name, hf in export_names(model).items()}
