@@ -207,18 +207,20 @@ def _sweep_curve(sweeps: dict[str, Any], key: str) -> Any:
 
 
 def _sweep_threshold(sweeps: dict[str, Any]) -> Any:
-    figure, ax = _figure("time to threshold per seed", "minutes from the start of molt run", "")
+    figure, ax = _figure("time to threshold per seed (x: never, at the longest run's end)",
+                         "minutes from the start of molt run", "")
+    ends = [(r.get("wall_s") or 0) / 60 for s in sweeps.values() for r in s["runs"].values()]
     reached = [r["seconds"] / 60 for s in sweeps.values() for r in s.get("threshold", {}).get("per_seed", {}).values()
                if r is not None]
-    edge = max(reached, default=1.0) * 1.1
-    for row, (label, sweep) in enumerate(sweeps.items()):
-        t = sweep.get("threshold")
-        if t is None:
-            continue
-        times = [edge if r is None else r["seconds"] / 60 for r in t["per_seed"].values()]
-        never = sum(r is None for r in t["per_seed"].values())
+    edge = max(reached + ends, default=1.0)
+    for row, sweep in enumerate(sweeps.values()):
+        per_seed = sweep.get("threshold", {}).get("per_seed", {}).values()
+        times = [r["seconds"] / 60 for r in per_seed if r is not None]
         ax.scatter(times, [row] * len(times), marker="o", alpha=0.7)
-        ax.annotate(f"{never} never" if never else "", (edge, row), fontsize=7)
+        never = sum(r is None for r in per_seed)
+        ax.scatter([edge] * never, [row] * never, marker="x")
+        ax.annotate(f" {never} never" if never else "", (edge, row), fontsize=7)
     ax.set_yticks(range(len(sweeps)), [f"{label}\n{s.get('threshold', {}).get('metric', '')} >= "
                                        f"{s.get('threshold', {}).get('value', '')}" for label, s in sweeps.items()])
+    ax.set_xlim(0, edge * 1.05)
     return figure

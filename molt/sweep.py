@@ -18,16 +18,17 @@ the statistics, and tried again by the next ``molt sweep`` of that folder.
     results:   per name of the pipeline's results: map, the seeds' values and their
                mean, std, sem and 95% t interval, e.g. {"accuracy_final": {"n": 5,
                "mean": 0.81, "ci": [0.76, 0.86], "per_seed": {"0": 0.79, ...}, ...}}
-    curves:    per results metric logged at a step (an evaluation, at a policy version; not a ``_stderr``):
+    curves:    per results metric logged at two steps or more (an evaluation, at policy versions; not
+               a ``_stderr`` nor a ``policy_version``):
                {"evaluate/accuracy": {"8": {summary of the seeds' values at v8}, ...}}
     threshold: {"metric", "value", "lower_bound", "per_seed": {"0": {"seconds": 431.0,
                "version": 16} or null (never)}, "success_rate", "median_seconds"}
 
-Time to threshold: seconds from the first start of the seed's ``molt run`` to the first
-line of the metric whose value (with ``--lower-bound``: value minus its ``KEY_stderr``)
-reached the threshold; a seed resumed after a stop counts the stopped time too (its
-``starts`` says so). The median counts "never" as later than any time (null when more
-than half never reached it).
+Time to threshold: seconds from the start of the seed's ``molt run`` (its first start, for a
+run resumed from a checkpoint, so the stopped time counts too; ``starts`` counts them) to
+the first line of the metric whose value (with ``--lower-bound``: value minus its
+``KEY_stderr``) reached the threshold. The median counts "never" as later than any time
+(null when more than half never reached it).
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class Sweep:
             _clear(run_dir)
         args += ["--resume" if resume else "--run-dir", str(run_dir)]
         run_dir.mkdir(parents=True, exist_ok=True)
-        entry = self.runs.setdefault(str(seed), {"started_unix": time.time(), "starts": 0})
+        entry = self.runs.setdefault(str(seed), {"starts": 0})
+        if not resume:  # time to threshold counts from the start of the run that is kept
+            entry["started_unix"] = time.time()
         entry.update(status="running", starts=entry["starts"] + 1)
         log.info("seed %d: %s", seed, " ".join(args[3:]))
         self.write()
@@ -223,13 +226,13 @@ def summarize_runs(run_dirs: dict[int, Path], results: dict[str, str], threshold
                     if s["results"].get(name) is not None}
         if per_seed:
             out["results"][name] = {**summarize(list(per_seed.values())), "per_seed": per_seed}
-    for key in dict.fromkeys(k for k in results.values() if not k.endswith("_stderr")):  # a point's own error
+    for key in dict.fromkeys(k for k in results.values() if not k.endswith(("_stderr", "policy_version"))):
         by_step: dict[int, dict[str, float]] = {}
         for k, series in points.items():
             for _, step, value in series.get(key, []):
                 if step is not None:
                     by_step.setdefault(step, {})[str(k)] = value  # a step logged twice (resume): the later
-        if by_step:
+        if len(by_step) > 1:  # a curve, not a value logged once
             out["curves"][key] = {str(s): {**summarize(list(v.values())), "per_seed": v}
                                   for s, v in sorted(by_step.items())}
     if threshold is not None:

@@ -125,6 +125,10 @@ def test_an_unfinished_seed_resumes_from_its_checkpoint_and_one_without_restarts
 
     monkeypatch.setattr("molt.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Done())
     out = tmp_path / "sweep"
+    out.mkdir()
+    earlier = {"started_unix": 1.0, "starts": 1, "status": "running"}
+    (out / "sweep.json").write_text(json.dumps({"pipeline": "pipelines/smoke.yaml", "overrides": [],
+                                                "runs": {"0": dict(earlier), "1": dict(earlier)}}))
     sweep = Sweep("pipelines/smoke.yaml", [], out, 2)
     (out / "seed_0" / "checkpoints" / "barrier_4").mkdir(parents=True)
     (out / "seed_0" / "pipeline.yaml").write_text("name: smoke\n")
@@ -135,6 +139,9 @@ def test_an_unfinished_seed_resumes_from_its_checkpoint_and_one_without_restarts
     assert sweep.run() == 1  # the stand-ins wrote no summary: both count as failed
     assert started[0][-2:] == ["--resume", str(out / "seed_0")]
     assert started[1][-2:] == ["--run-dir", str(out / "seed_1")] and not (out / "seed_1" / "leftover").exists()
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert runs["0"]["started_unix"] == 1.0 and runs["1"]["started_unix"] > 1.0  # time counts from the kept start
+    assert runs["0"]["starts"] == runs["1"]["starts"] == 2
 
 
 
