@@ -84,7 +84,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     a, b = arm_values(args.a, args.metric), arm_values(args.b, args.metric)
     result = compare(list(a.values()), list(b.values()), args.metric, args.margin, args.confidence)
-    print(f"A = {args.a} ({', '.join(a)})\nB = {args.b} ({', '.join(b)})\n{result.describe()}")
+    for label, arm, runs in (("A", args.a, a), ("B", args.b, b)):
+        print(f"{label} = {arm}" + ("" if "," in arm else f" ({', '.join(runs)})"))
+    print(result.describe())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
     return 0
