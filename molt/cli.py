@@ -42,6 +42,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipe = Pipeline.from_yaml(args.pipeline, args.set + ([] if args.seed is None else [f"seed={args.seed}"]))
     if args.resume and args.run_dir:
         raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; hint: pass only --resume")
+    saved = Path(args.resume or "", "pipeline.yaml")
+    if args.resume and saved.is_file() and (seed := yaml.safe_load(saved.read_text()).get("seed", 0)) != pipe.spec.seed:
+        raise ValueError(f"--resume {args.resume}: the run has seed {seed}; got {pipe.spec.seed}; hint: --seed {seed}")
     return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
 
 

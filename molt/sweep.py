@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -149,7 +150,8 @@ class Sweep:
         args += [a for item in self.overrides for a in ("--set", item)]
         resume = (run_dir / "pipeline.yaml").is_file() and complete_checkpoints(run_dir, self.names)
         if not resume and run_dir.exists():
-            _clear(run_dir)
+            log.warning("%s: no complete checkpoint; restarting it", run_dir)
+            shutil.rmtree(run_dir)
         args += ["--resume" if resume else "--run-dir", str(run_dir)]
         run_dir.mkdir(parents=True, exist_ok=True)
         entry = self.runs.setdefault(str(seed), {"starts": 0})
@@ -260,13 +262,6 @@ def _stop_with_parent() -> None:
     """In a seed's ``molt run`` before exec: SIGTERM, a clean stop, if the sweep dies (PR_SET_PDEATHSIG)."""
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
-
-def _clear(run_dir: Path) -> None:
-    """Empty a seed's folder that holds no complete checkpoint, so ``molt run`` starts it afresh."""
-    import shutil
-
-    log.warning("%s: no complete checkpoint; restarting it", run_dir)
-    shutil.rmtree(run_dir)
 
 
 def arm_values(arm: str, metric: str) -> dict[str, float]:

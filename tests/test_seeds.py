@@ -48,3 +48,11 @@ def test_the_run_seed_draws_the_synthetic_groups():
 def test_molt_run_seed_is_the_pipelines_top_level_seed():
     assert Pipeline.from_yaml("pipelines/smoke.yaml").spec.seed == 0
     assert Pipeline.from_yaml("pipelines/smoke.yaml", ["seed=3"]).spec.seed == 3
+
+
+def test_a_resume_under_another_seed_is_refused_before_anything_starts(tmp_path, capsys):
+    from molt.cli import main
+
+    (tmp_path / "pipeline.yaml").write_text("name: smoke\nseed: 3\n")
+    assert main(["run", "pipelines/smoke.yaml", "--resume", str(tmp_path)]) == 2
+    assert "the run has seed 3; got 0; hint: --seed 3" in capsys.readouterr().err
