@@ -22,8 +22,8 @@ A figure whose metrics the run does not have is skipped (and not listed).
 
 ``molt plot SWEEP_DIR [SWEEP_DIR]`` (molt.sweep): into the first folder's ``plots/``, per
 curve of ``sweep.json`` (a results metric logged at policy versions) ``sweep_{key}.png``:
-the seeds' mean with its 95% interval as a band, every seed faint behind it (two sweeps
-overlaid in two colours); and ``sweep_threshold.png``: each seed's time to the threshold,
+the seeds' mean with its 95% interval as a band, every seed faint behind it (several sweeps
+overlaid, one colour each); and ``sweep_threshold.png``: each seed's time to the threshold,
 "never" drawn at the right edge.
 """
 
@@ -172,7 +172,8 @@ def plot_sweeps(sweep_dirs: Sequence[Path]) -> list[Path]:
         if not (Path(d) / "sweep.json").is_file():
             raise ValueError(f"{d}: no sweep.json; hint: molt plot takes one run folder, or sweep folders made "
                              "by molt sweep")
-        sweeps[Path(d).name] = json.loads((Path(d) / "sweep.json").read_text())
+        label = Path(d).name if len({Path(e).name for e in sweep_dirs}) == len(sweep_dirs) else str(d)
+        sweeps[label] = json.loads((Path(d) / "sweep.json").read_text())
     out = Path(sweep_dirs[0]) / "plots"
     out.mkdir(exist_ok=True)
     written = []
@@ -188,7 +189,8 @@ def plot_sweeps(sweep_dirs: Sequence[Path]) -> list[Path]:
 
 def _sweep_curve(sweeps: dict[str, Any], key: str) -> Any:
     figure, ax = _figure(f"{key}: mean of seeds, 95% interval", "policy version", key)
-    for (label, sweep), color in zip(sweeps.items(), ("tab:blue", "tab:orange")):
+    for i, (label, sweep) in enumerate(sweeps.items()):
+        color = f"C{i}"
         curve = sweep.get("curves", {}).get(key)
         if not curve:
             continue

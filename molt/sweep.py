@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
+import os
 import shutil
 import signal
 import statistics
@@ -69,9 +71,12 @@ class Threshold:
         """Raises: ValueError: not ``KEY=NUMBER``."""
         key, _, value = text.partition("=")
         try:
-            return cls(key.strip(), float(value), lower_bound)
+            number = float(value)
         except ValueError:
-            raise ValueError(f"--threshold {text!r}: expected KEY=NUMBER, e.g. evaluate/accuracy=0.7") from None
+            number = math.nan
+        if not key.strip() or not math.isfinite(number):
+            raise ValueError(f"--threshold {text!r}: expected KEY=NUMBER, e.g. evaluate/accuracy=0.7")
+        return cls(key.strip(), number, lower_bound)
 
 
 def read_points(run_dir: Path) -> dict[str, list[tuple[float, int | None, float]]]:
@@ -90,8 +95,14 @@ class Sweep:
 
     def __init__(self, pipeline: str, overrides: list[str], out: Path, num_seeds: int,
                  threshold: Threshold | None = None) -> None:
-        self.pipeline, self.overrides, self.out, self.threshold = pipeline, list(overrides), Path(out), threshold
+        self.pipeline, self.overrides, self.out, self.threshold = os.path.normpath(pipeline), list(overrides), \
+            Path(out), threshold
         self.pipe = Pipeline.from_yaml(pipeline, overrides)  # every problem of the YAML before any run
+        if num_seeds < 1:
+            raise ValueError(f"--seeds: a sweep needs at least one seed; got {num_seeds}; hint: --seeds 5")
+        if not self.pipe.spec.results:
+            log.warning("%s has no results: map, so sweep.json will hold no statistics; hint: --set "
+                        "'results={accuracy: evaluate/accuracy}'", pipeline)
         self.seeds = list(range(num_seeds))
         self.runs: dict[str, dict[str, Any]] = self._previous_runs()
         self.names = replica_names(self.pipe.checkpointed())
@@ -249,6 +260,9 @@ def _time_to_threshold(points: dict[int, dict[str, list[tuple[float, int | None,
         stderr = {t: v for t, _, v in series.get(f"{threshold.metric}_stderr", [])}
         rows = series.get(threshold.metric, [])
         timed = [(t - started[k], v, stderr.get(t)) for t, _, v in rows]
+        if not rows:
+            log.warning("seed %d logged no %r: counted as never reaching it; hint: a metric key of its "
+                        "metrics.jsonl", k, threshold.metric)
         reached = first_reach(timed, threshold.value, threshold.lower_bound)
         hit = next((i for i, point in enumerate(timed) if point[0] == reached), None)
         per_seed[str(k)] = None if hit is None else {"seconds": round(timed[hit][0], 1), "version": rows[hit][1]}
@@ -278,16 +292,19 @@ def arm_values(arm: str, metric: str) -> dict[str, float]:
     """
     path = Path(arm)
     if (path / SWEEP_FILE).is_file():
-        runs = json.loads((path / SWEEP_FILE).read_text())["runs"]
-        summaries = {f"seed_{k}": _summary(path / f"seed_{k}") for k, r in runs.items() if r.get("status") == "ok"}
+        sweep = json.loads((path / SWEEP_FILE).read_text())
+        summaries = {f"seed_{k}": _summary(path / f"seed_{k}") for k in sweep["seeds"]
+                     if sweep["runs"].get(str(k), {}).get("status") == "ok"}
     elif path.is_file():
         try:
             listed = json.loads(path.read_text())["runs"]
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{arm}: not a JSON file of the form {{\"runs\": [{{\"results\": {{...}}}}]}}") from None
+            listed = None
+        if not isinstance(listed, list) or not all(isinstance(r, dict) for r in listed):
+            raise ValueError(f"{arm}: not a JSON file of the form {{\"runs\": [{{\"results\": {{...}}}}, ...]}}")
         summaries = {str(r.get("name", i)): r for i, r in enumerate(listed)}
     else:
-        summaries = {name: _summary(Path(name)) for name in arm.split(",") if name}
+        summaries = {name.strip(): _summary(Path(name.strip())) for name in arm.split(",") if name.strip()}
     values = {}
     for name, summary in summaries.items():
         value = summary.get("results", {}).get(metric, summary.get("metrics", {}).get(metric))

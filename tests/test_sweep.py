@@ -108,10 +108,32 @@ def test_compare_reads_another_systems_runs_and_says_different_for_means_three_s
     assert done.returncode == 0, done.stderr
     assert "verdict: different" in done.stdout  # 0.047 is three standard deviations (0.0158)
     assert json.loads((tmp_path / "c.json").read_text())["verdict"] == "different"
-    bad = tmp_path / "bad.json"
-    bad.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a JSON file of the form"):
-        arm_values(str(bad), "acc")
+    for text in ("[1, 2]", '{"runs": {"s0": {"results": {}}}}', '{"runs": [0.81, 0.80]}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="not a JSON file of the form"):
+            arm_values(str(bad), "acc")
+
+
+def test_a_sweep_arm_holds_the_seeds_it_was_last_asked_for(tmp_path):
+    for k in (0, 1):
+        fake_run(tmp_path / f"seed_{k}", k, [0.2, 0.5 + k / 10])
+    runs = {str(k): {"status": "ok", "started_unix": 0.0, "starts": 1} for k in (0, 1)}
+    (tmp_path / "sweep.json").write_text(json.dumps({"seeds": [0], "runs": runs}))  # --seeds 2, then --seeds 1
+    assert arm_values(str(tmp_path), "accuracy_final") == {"seed_0": 0.5}
+    assert arm_values(f"{tmp_path / 'seed_0'}, {tmp_path / 'seed_1'}", "accuracy_final") == {
+        str(tmp_path / "seed_0"): 0.5, str(tmp_path / "seed_1"): 0.6}
+
+
+@pytest.mark.parametrize("text", ["=0.5", "evaluate/accuracy=nan", "evaluate/accuracy", "evaluate/accuracy=abc"])
+def test_a_threshold_without_a_key_or_a_finite_number_is_refused(text):
+    with pytest.raises(ValueError, match="expected KEY=NUMBER"):
+        Threshold.parse(text)
+
+
+def test_a_sweep_of_no_seeds_is_refused():
+    with pytest.raises(ValueError, match="a sweep needs at least one seed; got 0"):
+        Sweep("pipelines/smoke.yaml", [], "unused", 0)
 
 
 def test_an_unfinished_seed_resumes_from_its_checkpoint_and_one_without_restarts(tmp_path, monkeypatch):
