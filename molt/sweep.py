@@ -95,8 +95,8 @@ class Sweep:
 
     def __init__(self, pipeline: str, overrides: list[str], out: Path, num_seeds: int,
                  threshold: Threshold | None = None) -> None:
-        self.pipeline, self.overrides, self.out, self.threshold = os.path.normpath(pipeline), list(overrides), \
-            Path(out), threshold
+        self.pipeline, self.overrides = os.path.normpath(pipeline), list(overrides)  # ./x.yaml is x.yaml
+        self.out, self.threshold = Path(out), threshold
         self.pipe = Pipeline.from_yaml(pipeline, overrides)  # every problem of the YAML before any run
         if num_seeds < 1:
             raise ValueError(f"--seeds: a sweep needs at least one seed; got {num_seeds}; hint: --seeds 5")
