@@ -70,6 +70,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Run a pipeline once per seed and summarise the seeds (molt.sweep)."""
     from molt.sweep import Sweep, Threshold
 
+    if args.lower_bound and not args.threshold:
+        raise ValueError("--lower-bound applies to --threshold; got no --threshold; hint: --threshold KEY=VALUE")
     threshold = Threshold.parse(args.threshold, args.lower_bound) if args.threshold else None
     sweep = Sweep(args.pipeline, args.set, Path(args.out or f"runs/{Path(args.pipeline).stem}-sweep"), args.seeds,
                   threshold)
