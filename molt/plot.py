@@ -20,7 +20,7 @@ Writes into ``RUN_DIR/plots/``:
 
 A figure whose metrics the run does not have is skipped (and not listed).
 
-``molt plot SWEEP_DIR [SWEEP_DIR]`` (molt.sweep): into the first folder's ``plots/``, per
+``molt plot SWEEP_DIR [SWEEP_DIR ...]`` (molt.sweep): into the first folder's ``plots/``, per
 curve of ``sweep.json`` (a results metric logged at policy versions) ``sweep_{key}.png``:
 the seeds' mean with its 95% interval as a band, every seed faint behind it (several sweeps
 overlaid, one colour each); and ``sweep_threshold.png``: each seed's time to the threshold,
@@ -159,7 +159,7 @@ def _expert_load(series: Series) -> Any:
 
 
 def plot_sweeps(sweep_dirs: Sequence[Path]) -> list[Path]:
-    """Write the sweep figures of the module docstring for one or two sweeps; returns the files.
+    """Write the sweep figures of the module docstring for one sweep or several; returns the files.
 
     Raises:
         ValueError: a folder without ``sweep.json``.
@@ -218,9 +218,9 @@ def _sweep_threshold(sweeps: dict[str, Any]) -> Any:
     for row, sweep in enumerate(sweeps.values()):
         per_seed = sweep.get("threshold", {}).get("per_seed", {}).values()
         times = [r["seconds"] / 60 for r in per_seed if r is not None]
-        ax.scatter(times, [row] * len(times), marker="o", alpha=0.7)
+        ax.scatter(times, [row] * len(times), marker="o", alpha=0.7, color=f"C{row}")
         never = sum(r is None for r in per_seed)
-        ax.scatter([edge] * never, [row] * never, marker="x")
+        ax.scatter([edge] * never, [row] * never, marker="x", color=f"C{row}")
         ax.annotate(f" {never} never" if never else "", (edge, row), fontsize=7)
     ax.set_yticks(range(len(sweeps)), [f"{label}\n{s.get('threshold', {}).get('metric', '')} >= "
                                        f"{s.get('threshold', {}).get('value', '')}" for label, s in sweeps.items()])
