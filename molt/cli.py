@@ -7,7 +7,7 @@
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt replay RUN_DIR --from-step K [--set ...]``
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
-``molt plot RUN_DIR | SWEEP_DIR [SWEEP_DIR]``
+``molt plot RUN_DIR | SWEEP_DIR [SWEEP_DIR ...]``
 ``molt models prepare NAME``
 ``molt models upcycle SOURCE OUT [--experts E] [--top-k K] [--seed S]``
 ``molt models vlm SOURCE OUT [--image-size PX] [--patch-size PX] [--vision-hidden H] [--vision-layers N]
