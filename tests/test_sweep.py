@@ -201,3 +201,21 @@ def test_the_live_table_shows_each_seeds_state_and_latest_results(tmp_path):
     console.print(shown[0])
     text = console.export_text()
     assert "running" in text and "waiting" in text and "0.7" in text  # accuracy_final of seed 0 so far
+
+
+def test_ctrl_c_stops_the_running_seed_cleanly_and_a_sweep_again_would_resume_it(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "sweep", "pipelines/smoke.yaml", "--seeds", "2",
+                             "--out", str(out), "--set", "stages.source.config.num_groups=10000000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "seed_0" / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, proc.stderr.read()
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert list(runs) == ["0"] and runs["0"]["status"] == "interrupted"
+    assert json.loads((out / "seed_0" / "summary.json").read_text())["status"] == "interrupted"
