@@ -24,17 +24,14 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
 from molt.config import apply_override
 from molt.pipeline import Pipeline
+from molt.placement import raise_interrupt
 from molt.recording import edge_dirname as edge_dir
-
-
-def _interrupt(*_: Any) -> NoReturn:
-    raise KeyboardInterrupt
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -43,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume and args.run_dir:
         raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; hint: pass only --resume")
     saved = Path(args.resume or "", "pipeline.yaml")
-    if args.resume and saved.is_file() and (seed := yaml.safe_load(saved.read_text()).get("seed", 0)) != pipe.spec.seed:
+    if args.resume and saved.is_file() and (seed := (yaml.safe_load(saved.read_text()) or {}).get("seed", 0)) != pipe.spec.seed:
         raise ValueError(f"--resume {args.resume}: the run has seed {seed}; got {pipe.spec.seed}; hint: --seed {seed}")
     return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
 
@@ -61,8 +58,8 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
                          "or --resume it to continue from its last checkpoint")
     # SIGINT explicitly too: a shell without job control starts background commands with SIGINT
     # ignored, and Python keeps an inherited SIG_IGN, so Ctrl-C/`kill -INT` would do nothing.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     return Runner(pipe, path, resume=resume).run()
 
 
@@ -75,8 +72,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     threshold = Threshold.parse(args.threshold, args.lower_bound) if args.threshold else None
     sweep = Sweep(args.pipeline, args.set, Path(args.out or f"runs/{Path(args.pipeline).stem}-sweep"), args.seeds,
                   threshold)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     code = sweep.run()
     print(sweep.out / "sweep.json")
     return code

@@ -52,7 +52,7 @@ from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
 from molt.curve import CurveKeys
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
-from molt.placement import LocalBackend, PlacementError, free_port
+from molt.placement import LocalBackend, PlacementError, free_port, stop_signals_deferred
 from molt.progress import Progress
 from molt.stage import SCRATCH_ENV, scratch_folder
 
@@ -141,7 +141,8 @@ class Runner:
         (self.run_dir / "wiring.json").write_text(json.dumps(wiring, indent=1))
         for sid in owners:
             for r, replica_slots in enumerate(slots[sid]):
-                self.procs += self._launch(sid, r, replica_slots)
+                with stop_signals_deferred():  # a Ctrl-C now stops this replica too
+                    self.procs += self._launch(sid, r, replica_slots)
 
     def _nodes(self, sid: str) -> int:
         placed = self.pipe.spec.placement.stages.get(sid)

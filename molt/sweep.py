@@ -34,7 +34,6 @@ the first line of the metric whose value (with ``--lower-bound``: value minus it
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -45,6 +44,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from math import inf
 from typing import Any
@@ -52,6 +52,7 @@ from typing import Any
 from molt.checkpoint import complete_checkpoints, replica_names
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
+from molt.placement import start_child, stop_signals_deferred
 from molt.stats import first_reach, summarize
 
 log = get_logger("sweep")
@@ -137,7 +138,8 @@ class Sweep:
                     # 1) start seeds while there is room  2) collect the finished ones  3) show
                     while todo and len(running) < at_once:
                         seed = todo.pop(0)
-                        running[seed] = self._start(seed)
+                        with stop_signals_deferred():
+                            running[seed] = self._start(seed)
                     for seed, proc in list(running.items()):
                         if proc.poll() is not None:
                             self._finished(seed, running.pop(seed).returncode)
@@ -173,7 +175,7 @@ class Sweep:
         self.write()
         with open(self.out / f"seed_{seed}.log", "ab") as out:
             return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_stop_with_parent)
+                                    preexec_fn=partial(start_child, None, signal.SIGTERM))
 
     def _finished(self, seed: int, code: int) -> None:
         summary_path, log_path = self.out / f"seed_{seed}" / "summary.json", self.out / f"seed_{seed}.log"
@@ -270,12 +272,6 @@ def _time_to_threshold(points: dict[int, dict[str, list[tuple[float, int | None,
     return {"metric": threshold.metric, "value": threshold.value, "lower_bound": threshold.lower_bound,
             "per_seed": per_seed, "success_rate": sum(r is not None for r in per_seed.values()) / max(len(per_seed), 1),
             "median_seconds": None if median == inf else round(median, 1)}
-
-
-def _stop_with_parent() -> None:
-    """In a seed's ``molt run`` before exec: SIGTERM, a clean stop, if the sweep dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
-
 
 
 def arm_values(arm: str, metric: str) -> dict[str, float]:
