@@ -21,7 +21,6 @@ import copy
 import difflib
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import yaml
 
 from molt.config import apply_override
 from molt.pipeline import Pipeline
-from molt.placement import raise_interrupt
+from molt.placement import catch_stop_signals
 from molt.recording import edge_dirname as edge_dir
 
 
@@ -56,10 +55,7 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
     if resume is not True and path.exists() and any(path.iterdir()):
         raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir, "
                          "or --resume it to continue from its last checkpoint")
-    # SIGINT explicitly too: a shell without job control starts background commands with SIGINT
-    # ignored, and Python keeps an inherited SIG_IGN, so Ctrl-C/`kill -INT` would do nothing.
-    signal.signal(signal.SIGINT, raise_interrupt)
-    signal.signal(signal.SIGTERM, raise_interrupt)
+    catch_stop_signals()
     return Runner(pipe, path, resume=resume).run()
 
 
@@ -72,8 +68,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     threshold = Threshold.parse(args.threshold, args.lower_bound) if args.threshold else None
     sweep = Sweep(args.pipeline, args.set, Path(args.out or f"runs/{Path(args.pipeline).stem}-sweep"), args.seeds,
                   threshold)
-    signal.signal(signal.SIGINT, raise_interrupt)
-    signal.signal(signal.SIGTERM, raise_interrupt)
+    catch_stop_signals()
     code = sweep.run()
     print(sweep.out / "sweep.json")
     return code

@@ -39,8 +39,8 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import psutil
@@ -129,6 +129,14 @@ def raise_interrupt(signum: int, frame: object) -> None:
         _held.append(signum)
         return
     raise KeyboardInterrupt
+
+
+def catch_stop_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (``raise_interrupt``); SIGINT explicitly too:
+    a shell without job control starts background commands with SIGINT ignored, and Python
+    keeps an inherited SIG_IGN, so Ctrl-C/`kill -INT` would do nothing."""
+    signal.signal(signal.SIGINT, raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
 
 
 @contextlib.contextmanager
