@@ -14,7 +14,7 @@ A pipeline file::
 
 Everything is checked before any process starts: unknown keys and wrong types
 (with the file, the dotted path and the nearest valid key), stage ids, classes,
-each stage's typed config, dangling edges, undeclared cycles (only edges marked
+each stage's typed config, the ``policy:`` facts the stages share (molt.policy), dangling edges, undeclared cycles (only edges marked
 ``feedback: true`` may close one) and the columns each edge carries against the
 columns each consumer reads. YAML loading, ``--set`` and error wording live in
 :mod:`molt.config`.
@@ -23,6 +23,7 @@ columns each consumer reads. YAML loading, ``--set`` and error wording live in
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.config import apply_override, import_class, load_yaml, validate
 from molt.placement import PlacementSpec, check_placement
+from molt.policy import PolicySpec, apply_policy
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
+logger = logging.getLogger(__name__)
 
 
 class EdgeConfig(BaseModel):
@@ -124,6 +127,8 @@ class PipelineSpec(BaseModel):
     placement: PlacementSpec = Field(default_factory=PlacementSpec,  # type: ignore[arg-type]
                                      description="where the processes run (molt.placement): children of molt run, "
                                      "or Ray actors")
+    policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
+                               description="what sampling and training agree on (molt.policy): precision, temperature")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 
@@ -193,6 +198,8 @@ class Pipeline:
             data = data.model_dump(by_alias=True)
         spec = validate(PipelineSpec, data, source, ())
         stages = {sid: _build_stage(sid, s, source) for sid, s in spec.stages.items()}
+        for warning in apply_policy(spec.policy, {sid: n.config for sid, n in stages.items()}, source):
+            logger.warning(warning)
         edges = [_build_edge(i, e, stages, source) for i, e in enumerate(spec.edges)]
         pipe = cls(spec, source, stages, edges)
         _check_graph(pipe)

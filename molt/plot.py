@@ -9,6 +9,9 @@ Writes into ``RUN_DIR/plots/``:
                        and max (``train/logprob_diff/abs_mean``, ``abs_max``); a sample
                        generated k versions ago also differs by those k updates, so with
                        max_staleness 1 the max reaches nats on rare tokens
+* ``collapse.png``     per step: the trainer's mean token entropy (nats, ``*/entropy/mean``)
+                       and the shares of groups with identical completions and with
+                       equal rewards (``*/collapse/*``, molt.train.collapse)
 * ``staleness.png``    histogram of the steps' largest token lag (``train/lag/max``):
                        version trained at minus version generated with
 * ``time.png``         seconds spent per stage, summed over the run: train steps,
@@ -70,7 +73,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     written = []
     for name, draw in (("reward", _reward), ("eval", _eval), ("logprob_diff", _logprob_diff),
-                       ("staleness", _staleness), ("time", _time), ("expert_load", _expert_load)):
+                       ("collapse", _collapse), ("staleness", _staleness), ("time", _time), ("expert_load", _expert_load)):
         figure = draw(series)
         if figure is not None:
             figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
@@ -105,6 +108,12 @@ def _logprob_diff(series: Series) -> Any:
     keys = [k for k in ("train/logprob_diff/abs_mean", "train/logprob_diff/abs_max") if k in series]
     # a stale sample's tokens also differ by the updates since it was generated
     return _lines(series, keys, "trainer vs rollout logprobs (incl. staleness)", "|difference| (nats)")
+
+
+def _collapse(series: Series) -> Any:
+    keys = _ending(series, "/entropy/mean") + _ending(series, "/collapse/identical_groups_frac") \
+        + _ending(series, "/collapse/zero_variance_frac")
+    return _lines(series, keys, "collapse: entropy and degenerate groups", "nats / share of groups")
 
 
 def _eval(series: Series) -> Any:

@@ -5,7 +5,9 @@ The runner calls :meth:`Progress.update` every poll; it appends new lines of eve
 the latest value of each replica, combined across replicas by the reduction the
 stage declared (``sum`` for counters such as ``rows_out``; ``last`` by default).
 On a terminal it renders a rich table (stage, rows in/out, rows/s, latest metrics);
-elsewhere it logs a line every ``log_every_s`` seconds.
+elsewhere it logs a line every ``log_every_s`` seconds. A stage whose latest step raised
+collapse alarms (``collapse/alarms`` > 0, molt.train.collapse) is marked COLLAPSE, with its
+entropy and group shares, in the table and as a warning line.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ class Progress:
             self._last_log = time.monotonic()
             rows = self.summary()
             brief = "  ".join(f"{k} {v:g}" for k, v in rows.items() if k.endswith(("rows_in", "rows_out")))
-            log.info("%.0f s  %s", elapsed_s, brief or "starting")
+            alarms = "  ".join(f"COLLAPSE {sid}: {', '.join(_collapse(rows, sid))}" for sid in self.pipe.stages
+                               if rows.get(f"{sid}/collapse/alarms", 0) > 0)
+            (log.warning if alarms else log.info)("%.0f s  %s", elapsed_s, "  ".join(filter(None, [brief, alarms]))
+                                                  or "starting")
 
     def _read(self, path: Path) -> None:
         with open(path) as f:
@@ -101,7 +106,15 @@ class Progress:
             rows_in, rows_out = agg.get(f"{sid}/rows_in", 0), agg.get(f"{sid}/rows_out", 0)
             extra = [f"{k.split('/', 1)[1]} {v:.3g}" for k, v in agg.items()
                      if k.startswith(f"{sid}/") and not k.split("/", 1)[1].startswith("rows_")][:4]
+            if agg.get(f"{sid}/collapse/alarms", 0) > 0:  # molt.train.collapse: its latest step crossed a bound
+                extra = ["[bold red]COLLAPSE[/]", *_collapse(agg, sid)]
             rate = (rows_out or rows_in) / max(elapsed_s, 1e-9)
             table.add_row(sid, str(n.replicas), f"{rows_in:g}", f"{rows_out:g}", f"{rate:.1f}",
                           "  ".join(extra))
         return table
+
+
+def _collapse(values: dict[str, float], sid: str) -> list[str]:
+    """The collapse figures of stage ``sid`` among ``values`` (key -> latest), as "name value"."""
+    keys = ("entropy/mean", "collapse/identical_groups_frac", "collapse/zero_variance_frac")
+    return [f"{k} {values[f'{sid}/{k}']:.3g}" for k in keys if f"{sid}/{k}" in values]

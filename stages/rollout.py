@@ -35,6 +35,7 @@ from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import refit_from
 from molt.models import resolve_model
 from molt.config import import_class
+from molt.policy import policy_field
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
 from molt.tasks import read_prompts
@@ -52,7 +53,7 @@ class Rollout(Service):
         model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
         engine: EngineConfig = Field(default_factory=EngineConfig)
         group_size: int = Field(4, ge=1, description="rollouts per prompt (n)")
-        temperature: float = Field(1.0, ge=0)
+        temperature: float = policy_field("temperature", 1.0, ge=0, description="molt.policy: policy.temperature")
         max_new_tokens: int = Field(256, ge=1, description="per policy turn")
         seed: int | None = Field(None, description="per-request seeds (transformers engine); None = the run's")
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")

@@ -8,25 +8,22 @@ aggregation over the step's global token count), then AdamW with clipping and a
 warmup/decay schedule. Before a step, every generated token's ``policy_version`` is
 checked against ``max_staleness``; a violation stops the run naming the sample.
 
-After each step it logs one line (``step 12  loss 0.41  reward 0.62  tok/s 812  lag 1
-... export 0.9s  mem 3.1GB``; export = the previous weight export, mem = peak), writes
-policy metrics (molt.algorithms.metrics, merged over micro-batches and ranks),
-``lag/mean_run`` (mean token staleness so far) and ``tokens_trained``, and sends a
-one-row step record (molt.train.step.STEP_SCHEMA) on ``out`` for the fused broadcast
-stage. Stages fused into it get the model through
-molt.train.handoff; the next step waits for their acknowledgement, so every rank
-runs its collectives in the same order.
+After each step it logs one line (``step 12  loss 0.41  reward 0.62 ... entropy 0.41 ... mem
+3.1GB``; a warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop
+the run), writes policy metrics (molt.algorithms.metrics, merged over micro-batches and ranks;
+the collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a one-row step record
+(STEP_SCHEMA) on ``out`` for the fused broadcast stage, which gets the model through
+molt.train.handoff; each step waits for its acknowledgement, so all ranks' collectives keep in step.
 
-Checkpoint (molt.train.checkpoint): at a barrier every rank joins in saving the full
-model (as a loadable HF folder), AdamW state and RNG state; the JSON holds the version.
-A resumed trainer restores them, then sends a resume record (``num_rows`` 0) so the
-fused broadcast re-publishes the restored weights for the engines.
+Checkpoint (molt.train.checkpoint): every rank saves the full model (a HF folder), AdamW and RNG
+state at a barrier. A resumed trainer restores them, then sends a resume record (``num_rows`` 0)
+so the fused broadcast re-publishes the restored weights for the engines.
 
     train:
       class: stages.train.Train
       world_size: 2
-      config: {model: smollm2-135m-instruct, temperature: 1.0, max_staleness: 1,
-               policy_loss: {type: ppo, clip_high: 0.28}, optim: {lr: 1.0e-6}}
+      config: {model: smollm2-135m-instruct, max_staleness: 1, policy_loss: {type: ppo, clip_high: 0.28},
+               optim: {lr: 1.0e-6}}   # temperature and compute_dtype: the pipeline's policy block
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from __future__ import annotations
 import resource
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,8 +40,10 @@ from pydantic import Field
 
 from molt.checkpoint import read_replica_state
 from molt.models import export_path
+from molt.policy import Precision, policy_field
 from molt.schema import batch_from_rows
 from molt.stage import Port, Service, StageConfig
+from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
 from molt.train.checkpoint import export_model_folder, load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
@@ -63,11 +62,11 @@ class Train(Service):
 
     class Config(StageConfig, ObjectiveConfig):
         model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
-        temperature: float = Field(gt=0, description="sampling temperature of the rollout (must be equal)")
+        temperature: float = policy_field("temperature", 1.0, gt=0, description="the rollout's sampling "
+                                          "temperature (molt.policy: policy.temperature)")
         max_staleness: int | None = Field(None, ge=0, description="refuse older tokens; None = unchecked")
-        compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-            "float32", description="FSDP2 compute dtype; master weights, reduction and AdamW stay fp32; auto: bf16 on "
-            "CUDA and on CPUs with native bf16 (molt.train.model.resolve_compute_dtype), else fp32")
+        compute_dtype: Precision = policy_field("precision", "float32", description="FSDP2 compute dtype; master "
+                                                "weights, reduction and AdamW stay fp32 (molt.policy: policy.precision)")
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         freeze_router: bool = Field(False, description="MoE: routers get no gradient (molt.train.moe)")
@@ -77,6 +76,7 @@ class Train(Service):
                                           "in the model cache (then a model name) or a path with '/'")
         seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.seeds)")
         optim: OptimConfig = Field(default_factory=OptimConfig)
+        collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="molt.train.collapse")
 
     config: Config
 
@@ -107,10 +107,11 @@ class Train(Service):
         self.resumed = False
         self.handle = policy_handle(self.ctx.stage_id)
         self.handle.model = self.model
+        self.watch = CollapseWatch(c.collapse, key)
 
     async def run(self) -> None:
         if self.resumed:  # engines get the restored weights before any new rollout
-            await self.send("out", self._record(0, StepResult(0.0, 0.0, 0.0, 0, {}), 0.0, 0, 0.0))
+            await self.send("out", self._record(0, StepResult(0.0, 0.0, 0.0, 0, {}), 0, 0.0))
             await self.handle.wait_acked(self.version - 1)
         while (item := await self.recv("in")) is not None:
             if isinstance(item, Barrier):
@@ -135,18 +136,18 @@ class Train(Service):
         lag_sum, lag_tokens = _lag_sum(batch, self.version)
         self.lag_sum, self.lag_tokens = self.lag_sum + lag_sum, self.lag_tokens + lag_tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
+        result.metrics.update(row_metrics(batch))
         self.version += 1
         seconds = time.monotonic() - start
-        reward = _mean_reward(batch)
-        self._report(result, reward, lag, seconds)
-        return self._record(batch.num_rows, result, reward, lag, seconds)
+        self._report(result, lag, seconds)
+        return self._record(batch.num_rows, result, lag, seconds)
 
-    def _record(self, num_rows: int, result: StepResult, reward: float, lag: int, seconds: float) -> pa.RecordBatch:
+    def _record(self, num_rows: int, result: StepResult, lag: int, seconds: float) -> pa.RecordBatch:
         """The one-row step record of the step that made ``self.version`` (STEP_SCHEMA)."""
         return batch_from_rows([{
             "step": self.version - 1, "policy_version": self.version, "num_rows": num_rows,
             "num_tokens": result.num_tokens, "num_loss_tokens": int(result.metrics.get("tokens/count", 0)),
-            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "reward_mean": reward,
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "reward_mean": result.metrics.get("reward/mean", 0.0),
             "max_lag": lag, "step_seconds": seconds}], STEP_SCHEMA)
 
     def state_dict(self) -> dict[str, Any]:
@@ -163,18 +164,21 @@ class Train(Service):
         self.resumed = True
         self.log.info("resumed at version %d from %s", self.version, folder)
 
-    def _report(self, result: StepResult, reward: float, lag: int, seconds: float) -> None:
+    def _report(self, result: StepResult, lag: int, seconds: float) -> None:
         tok_s, memory_gb = result.num_tokens / max(seconds, 1e-9), _peak_memory_gb(self.config.device)
+        crossed = self.watch(result.metrics)
         if self.ctx.rank == 0:
-            self.log.info("step %d  loss %.4f  reward %.3f  tok/s %.0f  lag %d  grad_norm %.3f  lr %.2e  "
-                          "clip %.3f  time %.1fs  export %.2fs  mem %.2fGB", self.version - 1, result.loss, reward,
-                          tok_s, lag, result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0)
-                          + result.metrics.get("clip/low_frac", 0.0), seconds, self.handle.export_seconds, memory_gb)
+            (self.log.warning if crossed else self.log.info)(
+                "step %d  loss %.4f  reward %.3f  tok/s %.0f  lag %d  grad_norm %.3f  lr %.2e  clip %.3f  entropy "
+                "%.3f  time %.1fs  export %.2fs  mem %.2fGB%s", self.version - 1, result.loss, result.metrics["reward/mean"], tok_s, lag,
+                result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0) + result.metrics.get(
+                    "clip/low_frac", 0.0), result.metrics.get("entropy/mean", 0.0), seconds,
+                self.handle.export_seconds, memory_gb, "  COLLAPSE: " + ", ".join(crossed) if crossed else "")
         self.metrics.count("tokens_trained", result.num_tokens)
         self.metrics.log({**result.metrics, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                          "reward/mean": reward, "lag/max": lag, "tokens_per_s": tok_s, "step_seconds": seconds,
+                          "lag/max": lag, "tokens_per_s": tok_s, "step_seconds": seconds,
                           "lag/mean_run": self.lag_sum / max(self.lag_tokens, 1), "peak_memory_gb": memory_gb,
-                          "policy_version": self.version}, step=self.version - 1)
+                          "policy_version": self.version, "collapse/alarms": len(crossed)}, step=self.version - 1)
 
     def close(self) -> None:
         drop_handle(self.ctx.stage_id)
@@ -192,9 +196,3 @@ def _peak_memory_gb(device: str) -> float:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
-def _mean_reward(batch: pa.RecordBatch) -> float:
-    """Mean ``reward`` of the rows (0.0 without the column, rows or values)."""
-    values = [v for v in batch.column("reward").to_pylist() if v is not None] if "reward" in batch.schema.names else []
-    return sum(values) / max(len(values), 1)

@@ -16,7 +16,8 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
     entries = [("train", k, {"train/reward/mean": 0.1 * k, "train/lag/max": k % 2, "train/step_seconds": 2.0,
                              "train/logprob_diff/abs_mean": 1e-5, "train/logprob_diff/abs_max": 1e-4,
                              "train/moe/expert_share/e0": 0.6, "train/moe/expert_share/e1": 0.4,
-                             "train/moe/load_max": 1.2 + 0.1 * k})
+                             "train/moe/load_max": 1.2 + 0.1 * k, "train/entropy/mean": 0.5 / (k + 1),
+                             "train/collapse/identical_groups_frac": 0.2 * k})
                for k in range(4)]
     entries += [("evaluate", v, {"evaluate/accuracy": 0.2 + 0.1 * v, "evaluate/accuracy_stderr": 0.02})
                 for v in (0, 2, 4)]
@@ -26,7 +27,8 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     names = sorted(p.name for p in (tmp_path / "run" / "plots").iterdir())
-    assert names == ["eval.png", "expert_load.png", "logprob_diff.png", "reward.png", "staleness.png", "time.png"]
+    assert names == ["collapse.png", "eval.png", "expert_load.png", "logprob_diff.png", "reward.png", "staleness.png",
+                     "time.png"]
     assert all((tmp_path / "run" / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)
 
 

@@ -5,9 +5,12 @@ evaluation engines, FSDP2 trainer, verified refit), two optimizer steps, then `m
 import json
 import subprocess
 
+import torch
+
 from molt.pipeline import Pipeline
 from molt.plot import plot_run
 from molt.recording import read_batches
+from molt.train.model import load_policy, shard_policy
 from molt.runner import Runner
 from tests.test_checkpoint import MOLT, step_records
 
@@ -31,6 +34,7 @@ def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model
     assert results["tokens_generated"] > 0 and results["tokens_trained"] > results["tokens_generated"]
     assert 0 <= results["mean_staleness"] <= 1, "max_staleness: 1 holds"
     assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"
+    on_policy_step_has_ratio_one(default_model_dir, run)
     evals = [r["policy_version"] for b in read_batches(run / "record" / "evaluate.out--eval_sink.in")
              for r in b.to_pylist()]
     assert evals[0] == 0 and evals[-1] == 2 and evals == sorted(set(evals)), evals  # the newest when several wait
@@ -48,6 +52,20 @@ def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model
     replayed = step_records(tmp_path / "replay")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in replayed] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in step_records(run)[1:]]
+
+
+def on_policy_step_has_ratio_one(model_dir, run):
+    """The defaults keep trainer and engine in one precision (molt.policy): the trainer's logprobs of
+    the rows the engine sampled at version 0, with the trainer at version 0, are the engine's."""
+    config = Pipeline.from_yaml(run / "pipeline.yaml").stages["train"].config
+    model = shard_policy(load_policy(model_dir, config.temperature), config.compute_dtype)
+    rows = [r for b in read_batches(run / "record" / "rollout.out--reward.in") for r in b.to_pylist()
+            if max(r["policy_version"]) == 0]
+    with torch.no_grad():
+        diffs = torch.cat([(model(torch.tensor([r["token_ids"]]), torch.arange(len(r["token_ids"]))[None])
+                            - torch.tensor(r["rollout_logprobs"]))[torch.tensor(r["loss_mask"])] for r in rows[:16]])
+    assert config.compute_dtype == "float32" and len(diffs) > 16
+    assert diffs.abs().mean() < 2e-5 and diffs.abs().max() < 1e-4, (diffs.abs().mean(), diffs.abs().max())
 
 
 def test_the_gsm8k_pipelines_load_the_shipped_data_and_its_answers_grade_right():

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine
+from molt.policy import Precision, policy_field
 from molt.engines.transport import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
 
 
@@ -22,7 +23,8 @@ class EngineConfig(BaseModel):
     type: Literal["vllm", "transformers"] = Field(
         "vllm", description="transformers: exact and slow, one request step at a time; the test double, and the "
         "CPU engine of models vLLM's CPU build cannot serve (Qwen-VL); vLLM-only keys are then ignored")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="fp32 matches an fp32 trainer")
+    dtype: Precision = policy_field("precision", "float32", description="sampling precision (molt.policy: "
+                                    "policy.precision); fp32 matches an fp32 trainer to ~1e-5")
     max_model_len: int = Field(2048, ge=16, description="context window (tokens)")
     kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size (GiB)")
     max_num_seqs: int = Field(256, ge=1, description="vLLM sequences decoded at once")

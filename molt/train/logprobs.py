@@ -11,6 +11,11 @@ of every chunk again:
     dz_t = g_t / tau * (onehot(y_t) - p_t)      (g = upstream gradient [N])
     grad_h = dz @ W,   grad_W = dz^T @ h        (summed over chunks)
 
+With ``with_entropy``, the forward also gives the entropy of each token's distribution,
+from the same chunk buffer (one more elementwise pass; no gradient flows through it):
+
+    H_t = -sum_v p_tv log p_tv = log S_t - sum_v e_tv log e_tv / S_t,   e_tv = exp(z_tv - max_v z_tv),  S_t = sum_v e_tv
+
 The last chunk's p is kept from the forward and its backward runs first (then it is
 freed), so only the other chunks recompute their logits: a micro-batch of at most
 ``chunk_tokens`` tokens costs the same three vocabulary matmuls as unchunked autograd,
@@ -54,23 +59,27 @@ class _TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor,  # type: ignore[override]
-                temperature: float, chunk_tokens: int) -> Tensor:
+                temperature: float, chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
         w = weight.float()
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
         ctx.probs = None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits = _logits(hidden[start:end], w, temperature)  # [n, V]
             out[start:end], lse[start:end], sums = _logp_lse(logits, targets[start:end])
+            if with_entropy:
+                entropy[start:end] = sums.log() - torch.xlogy(logits, logits).sum(1) / sums
             if end >= hidden.shape[0] and any(ctx.needs_input_grad[:2]):
                 ctx.probs = logits.div_(sums[:, None])  # p of the last chunk, for the backward
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
         w, n, tau = weight.float(), hidden.shape[0], ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -90,7 +99,7 @@ class _TargetLogprobs(torch.autograd.Function):
             grad_weight.addmm_(dz.t(), h.float())
             del probs, dz
         grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_w, None, None, None
+        return grad_hidden, grad_w, None, None, None, None
 
 
 def target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
@@ -103,9 +112,23 @@ def target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
     Raises:
         ValueError: temperature <= 0 (config ``temperature``), chunk_tokens < 1.
     """
+    return target_logprobs_entropy(hidden, weight, targets, temperature, chunk_tokens, with_entropy=False)[0]
+
+
+def target_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                            chunk_tokens: int = 1024, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """(`target_logprobs` [N], entropy [N] fp32 in nats of each row's distribution, no gradient;
+    [0] without ``with_entropy``).
+
+    Example: the one above -> ([-0.3133], [0.5822]) (-p log p - q log q, p = e / (e + 1)).
+
+    Raises:
+        ValueError: temperature <= 0 (config ``temperature``), chunk_tokens < 1.
+    """
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}; hint: set the train stage's "
-                         "temperature to the rollout's sampling temperature (greedy rollouts cannot be trained)")
+        raise ValueError(f"temperature must be > 0; got {temperature}; hint: the pipeline's "
+                         "policy.temperature is the rollout's sampling temperature (greedy rollouts cannot be trained)")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1; got {chunk_tokens}")
-    return _TargetLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens)  # type: ignore[no-any-return]
+    return _TargetLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens,  # type: ignore[no-any-return]
+                                 with_entropy)

@@ -33,7 +33,7 @@ from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions
 from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
-from molt.train.logprobs import target_logprobs
+from molt.train.logprobs import target_logprobs, target_logprobs_entropy
 from molt.train.moe import RouterProbe, fp32_router_policy, routers
 from molt.train.packing import PackedSequence
 
@@ -77,22 +77,21 @@ def native_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_compute_dtype(compute_dtype: str, device: str) -> str:
-    """"auto" -> "bfloat16" on CUDA and on CPUs with native bf16 matrix instructions, else "float32".
+def check_compute_dtype(compute_dtype: str, device: str) -> None:
+    """Refuse an unknown dtype; warn of bf16 on a CPU without native bf16 matrix instructions.
 
     Measured on an AVX2-only CPU (torch 2.13): bf16 matmuls ran at 1-19 GFLOP/s against
     47-68 for fp32 (one thread), a train step 5-40x slower; with AVX512-BF16 bf16 was about
     3x fp32.
 
     Raises:
-        ValueError: an unknown dtype (YAML key ``compute_dtype``).
+        ValueError: an unknown dtype (YAML key ``compute_dtype``, or ``policy.precision``).
     """
-    if compute_dtype == "auto":
-        compute_dtype = "bfloat16" if device.startswith("cuda") or native_bf16_cpu() else "float32"
-        logger.info("compute_dtype auto -> %s on %s", compute_dtype, device)
     if compute_dtype not in DTYPES:
-        raise ValueError(f"compute_dtype must be 'auto' or one of {sorted(DTYPES)}; got {compute_dtype!r}")
-    return compute_dtype
+        raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}; got {compute_dtype!r}")
+    if compute_dtype == "bfloat16" and device == "cpu" and not native_bf16_cpu():
+        logger.warning("bf16 training on a CPU without AVX512-BF16/AMX: steps run 5-40x slower than in fp32; "
+                       "hint: policy.precision: float32")
 
 
 class PolicyModel(nn.Module):
@@ -109,6 +108,7 @@ class PolicyModel(nn.Module):
         self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
         self.router_probe = RouterProbe(lm) if routers(lm) else None
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
+        self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward (`forward`)
 
     @property
     def shares_prompts(self) -> bool:
@@ -127,7 +127,9 @@ class PolicyModel(nn.Module):
         With ``packed`` (molt.train.packing.PackedSequence, whose ``input_ids`` and
         ``position_ids`` are the first two arguments): logp [sum of row lengths], rows in
         order, following ``packed.segments`` (shared prompts forwarded once); only the
-        ``loss_masks`` tokens are projected onto the vocabulary (others are 0).
+        ``loss_masks`` tokens are projected onto the vocabulary (others are 0), and
+        ``self.entropy`` [sum of row lengths] holds the entropy (nats, no gradient) of the
+        sampling distribution at those tokens (0 elsewhere; molt.train.logprobs).
         ``vision_inputs``: the images whose tokens ``input_ids`` hold (a vision-language model
         and ``packed``; molt.multimodal.packed_vision_inputs). A model with multimodal RoPE
         (Qwen-VL) gets position ids [4, 1, S]: the packed positions (row boundaries for
@@ -154,7 +156,8 @@ class PolicyModel(nn.Module):
             first = (position_ids[0, 1:] == 0)  # the token starts a new row: no prediction for it
             return torch.cat([logp.new_zeros(1), torch.where(first, 0.0, logp)])
         pred, target, slot = (t.to(device) for t in packed.targets(loss_masks))
-        logp = target_logprobs(hidden[pred], weight, target, self.temperature, self.chunk_tokens)
+        logp, entropy = target_logprobs_entropy(hidden[pred], weight, target, self.temperature, self.chunk_tokens)
+        self.entropy = torch.zeros(sum(packed.lengths), device=device).index_put((slot,), entropy)
         return torch.zeros(sum(packed.lengths), device=device).index_put((slot,), logp)
 
     def mrope_packed(self, packed: PackedSequence, vision_inputs: VisionInputs) -> Tensor | None:
@@ -224,7 +227,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     dicts through torch.distributed.checkpoint.state_dict work on both.
 
     ``device`` "cuda" puts rank r on GPU LOCAL_RANK (`resolve_device`); ``compute_dtype``
-    "auto" is resolved by `resolve_compute_dtype`. ``expert_parallel_size`` > 1 (= the world
+    is checked by `check_compute_dtype`. ``expert_parallel_size`` > 1 (= the world
     size) shards a MoE model's experts across the ranks instead (molt.train.expert_parallel).
 
     Raises:
@@ -235,7 +238,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = resolve_device(device)
-    compute_dtype = resolve_compute_dtype(compute_dtype, device)
+    check_compute_dtype(compute_dtype, device)
     ensure_process_group(device)
     if device != "cpu":
         model.to(device)

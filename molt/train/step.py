@@ -164,7 +164,8 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         token_kl = obj.kl.per_token(logp, padded(mb, "ref_logprobs", torch.float32).to(dev), mask)
         per_token = per_token + obj.kl.coef * token_kl
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
-    metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl)
+    entropy = _unpack(model.entropy, packed, mask)  # type: ignore[arg-type]  # PolicyModel: of this forward
+    metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl, entropy)
     if probe is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
         aux = probe.aux_loss()
         metrics["moe/aux_loss"] = float(aux.detach())
@@ -183,10 +184,14 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
 def _forward_logp(model: torch.nn.Module, packed: PackedSequence, loss_masks: list[list[bool]],
                   mask: Tensor, vision_inputs: VisionInputs | None = None) -> Tensor:
     """[B, T] logprob of every token of the micro-batch's rows (0 past a row's end) from one packed forward."""
-    row_logp = model(packed.input_ids, packed.position_ids, packed, loss_masks, vision_inputs)  # [sum lengths]
-    dev = row_logp.device
+    return _unpack(model(packed.input_ids, packed.position_ids, packed, loss_masks, vision_inputs), packed, mask)
+
+
+def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
+    """[B, T] (0 past a row's end) of values [sum lengths] of the packed rows in order."""
+    dev = flat.device
     valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
-    return torch.zeros(mask.shape, device=dev).masked_scatter(valid, row_logp)
+    return torch.zeros(mask.shape, device=dev).masked_scatter(valid, flat)
 
 
 def _compare_forward(model: torch.nn.Module, probe: RouterProbe, forward: Callable[[], Tensor]) -> Tensor:
@@ -323,7 +328,7 @@ def metric_keys(obj: ObjectiveConfig) -> list[str]:
     zeros, mask = torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.bool)
     corr = obj.correction.compute(zeros, zeros, mask)
     pl = obj.policy_loss.compute(zeros, zeros, zeros, mask)
-    return sorted(policy_step_metrics(mask, zeros, pl, corr, zeros, zeros, zeros if obj.kl else None))
+    return sorted(policy_step_metrics(mask, zeros, pl, corr, zeros, zeros, zeros if obj.kl else None, zeros))
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: pa.RecordBatch,

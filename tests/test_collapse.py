@@ -1,0 +1,76 @@
+"""Collapse seen per step (molt.train.collapse): identical groups, equal rewards, the trainer's
+token entropy, the alarms of the step line and the stop."""
+
+import math
+
+import pytest
+import torch
+
+from molt.schema import batch_from_rows, make_schema, resolve_fields
+from molt.train.collapse import CollapseConfig, CollapseWatch, alarms, row_metrics
+from molt.train.logprobs import target_logprobs, target_logprobs_entropy
+
+SCHEMA = make_schema(resolve_fields(("sample_id", "prompt_id", "rollout_id", "token_ids", "loss_mask", "reward"),
+                                    "test"), "trajectory")
+
+
+def group(pid, completions, rewards, prompt=(1, 2, 3)):
+    return [{"sample_id": f"{pid}/{k}", "prompt_id": pid, "rollout_id": f"{pid}/{k}",
+             "token_ids": [*prompt, *c], "loss_mask": [False] * len(prompt) + [True] * len(c), "reward": r}
+            for k, (c, r) in enumerate(zip(completions, rewards))]
+
+
+def test_a_batch_of_identical_completions_is_reported_as_such():
+    same = group("a", [[57, 44, 61]] * 8, [0.0] * 8)
+    mixed = group("b", [[30, 53, 83]] * 7 + [[30, 53, 63]], [1.0] * 7 + [0.0])
+    equal_rewards = group("c", [[5], [6], [7], [8]], [1.0] * 4)
+    one = group("d", [[9]], [1.0])  # a group of one row is not "identical"
+    metrics = row_metrics(batch_from_rows(same + mixed + equal_rewards + one, SCHEMA))
+    assert metrics["collapse/identical_groups_frac"] == 0.25
+    assert metrics["collapse/zero_variance_frac"] == 0.75  # a, c and d: no GRPO signal
+    assert metrics["reward/mean"] == pytest.approx((7 + 4 + 1) / 21)
+    assert row_metrics(batch_from_rows(same, SCHEMA))["collapse/identical_groups_frac"] == 1.0
+    # the same completion after different prompts (multi-turn segments) still counts by generated tokens only
+    assert row_metrics(batch_from_rows(group("e", [[4]] * 2, [0, 1], prompt=(1,)) + group("e", [[4]], [0]), SCHEMA)
+                       )["collapse/identical_groups_frac"] == 1.0
+
+
+def test_the_alarms_name_each_crossed_bound_and_stop_after_steps_in_a_row():
+    config = CollapseConfig(entropy_floor=0.05, identical_groups_max=0.5, stop_after=2)
+    healthy = {"tokens/count": 10, "entropy/mean": 0.4, "collapse/identical_groups_frac": 0.1}
+    collapsed = {"tokens/count": 10, "entropy/mean": 0.01, "collapse/identical_groups_frac": 0.75}
+    assert alarms(healthy, config) == []
+    assert alarms(collapsed, config) == ["entropy 0.010 < 0.05", "identical groups 75% > 50%"]
+    assert alarms({**collapsed, "tokens/count": 0}, config) == ["identical groups 75% > 50%"], \
+        "a step with every row inert has no entropy to judge"
+    watch = CollapseWatch(config, "stages.train.config")
+    assert watch(collapsed) and watch(healthy) == [] and watch(collapsed), "a healthy step resets the count"
+    with pytest.raises(RuntimeError, match=r"the policy collapsed: entropy 0.010 < 0.05, identical groups 75% > 50% "
+                                           r"for 2 steps in a row \(stages.train.config.collapse.stop_after is 2\)"):
+        watch(collapsed)
+    assert all(CollapseWatch(CollapseConfig(), "x")(collapsed) for _ in range(5)), "warn only by default"
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 100])
+def test_the_trainers_entropy_is_that_of_the_full_softmax_and_leaves_logprobs_and_gradients_alone(chunk_tokens):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=gen, requires_grad=True)
+    weight = (torch.randn(11, 5, generator=gen) * 3).requires_grad_()
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    logp, entropy = target_logprobs_entropy(hidden, weight, targets, 0.7, chunk_tokens)
+    logp.sum().backward()
+    grads = hidden.grad.clone()
+    hidden.grad = None
+    plain = target_logprobs(hidden, weight, targets, 0.7, chunk_tokens)
+    plain.sum().backward()
+    torch.testing.assert_close(logp, plain, rtol=0, atol=0)
+    torch.testing.assert_close(grads, hidden.grad, rtol=0, atol=0)
+    p = torch.softmax(hidden @ weight.t() / 0.7, -1)
+    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
+    assert not entropy.requires_grad
+    # the docstring's example; a one-hot distribution (far apart logits) has entropy 0, not NaN
+    _, h = target_logprobs_entropy(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+                                   torch.tensor([0]), 1.0)
+    assert h.item() == pytest.approx(math.log(math.e + 1) - math.e / (math.e + 1))
+    _, h = target_logprobs_entropy(torch.tensor([[1.0]]), torch.tensor([[1e4], [0.0]]), torch.tensor([0]), 1.0)
+    assert h.item() == 0.0

@@ -1,0 +1,56 @@
+"""The pipeline's policy block (molt.policy): precision and temperature stated once, for the
+trainer and every engine alike; a contradiction fails or warns at load, naming both keys."""
+
+import logging
+
+import pytest
+
+from molt.pipeline import Pipeline
+
+QUICKSTART = "pipelines/quickstart.yaml"
+
+
+def facts(pipe):
+    """stage -> (temperature, precision) of the stages that hold them."""
+    out = {}
+    for sid, n in pipe.stages.items():
+        c = n.config
+        precision = getattr(c, "compute_dtype", None) or getattr(getattr(c, "engine", None), "dtype", None)
+        if precision is not None:
+            out[sid] = (getattr(c, "temperature", None), precision)
+    return out
+
+
+def test_the_policy_block_sets_the_trainers_and_every_engines_precision_and_temperature():
+    assert facts(Pipeline.from_yaml(QUICKSTART)) == {
+        "rollout": (0.8, "float32"), "train": (0.8, "float32"), "evaluate": (None, "float32")}
+    pipe = Pipeline.from_yaml(QUICKSTART, ["policy.precision=bfloat16", "policy.temperature=1.1"])
+    assert facts(pipe) == {"rollout": (1.1, "bfloat16"), "train": (1.1, "bfloat16"), "evaluate": (None, "bfloat16")}
+    saved = Pipeline.from_spec(pipe.to_dict())  # what a run's pipeline.yaml holds loads to the same
+    assert facts(saved) == facts(pipe)
+
+
+def test_a_temperature_that_contradicts_another_fails_at_load_naming_both_keys():
+    with pytest.raises(ValueError, match=r"quickstart.yaml \(with --set .*\): stages.train.config.temperature is 1.0 "
+                                         r"but policy.temperature is 0.8; .*hint: state it once, as policy.temperature"):
+        Pipeline.from_yaml(QUICKSTART, ["stages.train.config.temperature=1.0"])
+    with pytest.raises(ValueError, match="stages.train.config.temperature is 1.0 but "
+                                         "stages.rollout.config.temperature is 0.8"):
+        Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0.8",
+                                        "stages.train.config.temperature=1.0"])
+    agreed = Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0.7"])
+    assert facts(agreed)["train"][0] == 0.7, "the one stated value holds for the trainer too"
+    assert facts(Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null"]))["train"][0] == 1.0, "unstated: 1.0"
+
+
+def test_a_stage_in_another_precision_loads_with_a_warning_of_what_it_costs(caplog):
+    with caplog.at_level(logging.WARNING, logger="molt.pipeline"):
+        pipe = Pipeline.from_yaml(QUICKSTART, ["stages.train.config.compute_dtype=bfloat16"])
+    assert facts(pipe) == {"rollout": (0.8, "float32"), "train": (0.8, "bfloat16"), "evaluate": (None, "float32")}
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "stages.train.config.compute_dtype is bfloat16 but policy.precision is float32" in warning
+    assert "ratio max 1.38" in warning and "correction (TIS/IcePop)" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="molt.pipeline"):
+        Pipeline.from_yaml(QUICKSTART, ["stages.train.config.compute_dtype=float32"])
+    assert not caplog.records, "stating the policy's own value is no contradiction"
