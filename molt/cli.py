@@ -47,6 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> int:
     """Run ``pipe`` in ``run_dir`` (new or empty unless ``resume`` is True; a checkpoint
     folder as ``resume`` restores a new run's stages from it)."""
+    from molt.requires import make_required
     from molt.runner import Runner, default_run_dir
 
     path = Path(run_dir) if run_dir else default_run_dir(pipe)
@@ -56,7 +57,7 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
         raise ValueError(f"run dir {str(path)!r} is not empty; hint: pass another --run-dir, "
                          "or --resume it to continue from its last checkpoint")
     catch_stop_signals()
-    return Runner(pipe, path, resume=resume).run()
+    return make_required(pipe, path) or Runner(pipe, path, resume=resume).run()
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -121,6 +122,7 @@ def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) ->
     data["edges"] = [{"from": "replay", "to": into, "record": True}, *kept]
     data["name"] = f"{data.get('name', 'pipeline')}-replay"
     data.pop("run_dir", None)
+    data.pop("requires", None)  # a replay trains on what a run recorded, from the models that run had
     return data
 
 
@@ -358,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"molt: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside a run (a run stops its processes and returns 130 itself)
+        print("molt: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

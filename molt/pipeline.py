@@ -127,6 +127,9 @@ class PipelineSpec(BaseModel):
     placement: PlacementSpec = Field(default_factory=PlacementSpec,  # type: ignore[arg-type]
                                      description="where the processes run (molt.placement): children of molt run, "
                                      "or Ray actors")
+    requires: dict[str, str] = Field(default_factory=dict, description="models this pipeline starts from that "
+                                     "another pipeline makes: model name -> that pipeline's YAML (relative to this "
+                                     "file); molt run runs it first when the model is not in the cache (molt.requires)")
     policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
                                description="what sampling and training agree on (molt.policy): precision, temperature")
     stages: dict[str, StageSpec]
@@ -185,6 +188,9 @@ class Pipeline:
         data = load_yaml(path)
         for item in overrides or []:
             apply_override(data, item, str(path))
+        if isinstance(data.get("requires"), dict):  # pipeline files beside this one, wherever molt runs
+            data["requires"] = {k: str(path.parent / v) if isinstance(v, str) and not Path(v).is_absolute() else v
+                                for k, v in data["requires"].items()}
         source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
         return cls.from_spec(data, source=source)
 
@@ -197,6 +203,10 @@ class Pipeline:
         if isinstance(data, PipelineSpec):
             data = data.model_dump(by_alias=True)
         spec = validate(PipelineSpec, data, source, ())
+        for name, file in spec.requires.items():
+            if "/" in name or not Path(file).is_file():
+                raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing pipeline file; "
+                                 f"got {name!r}: {file!r}; hint: requires: {{MODEL_NAME: other_pipeline.yaml}}")
         stages = {sid: _build_stage(sid, s, source) for sid, s in spec.stages.items()}
         for warning in apply_policy(spec.policy, {sid: n.config for sid, n in stages.items()}, source):
             logger.warning(warning)

@@ -6,6 +6,8 @@ own output in ``DIR/seed_K.log``): one after another, each with the machine to
 itself; all at once when the pipeline places its processes on Ray (``placement.backend:
 ray``), each run reserving its own placement on the cluster. One live table shows every
 seed (state, minutes, its latest ``results:`` values); off a terminal, a line per change.
+Models the pipeline ``requires:`` are made first, once, in ``DIR/requires/`` (molt.requires),
+so no seed's time includes them.
 
 Started again with the same pipeline and ``--set`` values (and any ``--seeds``), it keeps
 the finished seeds (status ok), resumes an unfinished one from its newest complete
@@ -53,6 +55,7 @@ from molt.checkpoint import complete_checkpoints, replica_names
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
 from molt.placement import start_child, stop_signals_deferred
+from molt.requires import make_required
 from molt.stats import first_reach, summarize
 
 log = get_logger("sweep")
@@ -129,6 +132,8 @@ class Sweep:
         from rich.live import Live
 
         todo = [k for k in self.seeds if self.runs.get(str(k), {}).get("status") != "ok"]
+        if todo and (code := make_required(self.pipe, self.out)) != 0:  # once, outside every seed's time
+            return code
         at_once = len(todo) if self.pipe.spec.placement.backend == "ray" else 1
         running: dict[int, subprocess.Popen[bytes]] = {}
         live = Live(console=Console(stderr=True), refresh_per_second=1) if sys.stderr.isatty() else None

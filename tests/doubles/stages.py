@@ -138,6 +138,28 @@ class Counter(Transform):
         return {"rows": self.rows}
 
 
+class ModelMaker(Transform):
+    """A sink that, at the end of its input, writes a stand-in model folder (config.json holding
+    the rows it saw) where a train stage's ``export_model: name`` would (molt.requires' tests)."""
+
+    class Config(StageConfig):
+        name: str
+
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def setup(self) -> None:
+        self.rows = 0
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.rows += batch.num_rows
+
+    def flush(self) -> None:
+        from molt.models import export_path
+
+        export_path(self.config.name).mkdir(parents=True)  # a second make would be a bug: it raises
+        (export_path(self.config.name) / "config.json").write_text(json.dumps({"rows": self.rows}))
+
+
 class Placement(Transform):
     """A sink that logs the CPUs it may run on, its OpenMP thread count, its GPU, and
     whether its parent is a Ray actor (molt.placement_ray's launcher)."""
