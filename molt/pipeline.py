@@ -261,7 +261,10 @@ class Pipeline:
 
     def describe(self) -> str:
         """The resolved DAG as text (``molt graph``)."""
-        lines = [f"pipeline {self.spec.name!r} ({self.source})", "stages:"]
+        policy = self.spec.policy
+        lines = [f"pipeline {self.spec.name!r} ({self.source})",
+                 f"policy: precision {policy.precision}, temperature {policy.temperature or 'as the stages state'}"]
+        lines += [f"requires: {name} (made by {file})" for name, file in self.spec.requires.items()] + ["stages:"]
         for sid in self.topo_order():
             n = self.stages[sid]
             kind = (f"fused into {n.colocate_with}" if n.colocate_with else

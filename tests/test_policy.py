@@ -24,6 +24,7 @@ def facts(pipe):
 def test_the_policy_block_sets_the_trainers_and_every_engines_precision_and_temperature():
     assert facts(Pipeline.from_yaml(QUICKSTART)) == {
         "rollout": (0.8, "float32"), "train": (0.8, "float32"), "evaluate": (None, "float32")}
+    assert "policy: precision float32, temperature 0.8" in Pipeline.from_yaml(QUICKSTART).describe()  # molt graph
     pipe = Pipeline.from_yaml(QUICKSTART, ["policy.precision=bfloat16", "policy.temperature=1.1"])
     assert facts(pipe) == {"rollout": (1.1, "bfloat16"), "train": (1.1, "bfloat16"), "evaluate": (None, "bfloat16")}
     saved = Pipeline.from_spec(pipe.to_dict())  # what a run's pipeline.yaml holds loads to the same

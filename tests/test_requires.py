@@ -74,4 +74,6 @@ def test_requires_names_a_model_and_an_existing_pipeline_file_beside_the_yaml(pi
     with pytest.raises(ValueError, match=r"user.yaml \(with --set .*\): requires.made-model: a model name \(no '/'\) and an existing "
                                          r"pipeline file; got 'made-model': '.*/nothing.yaml'"):
         Pipeline.from_yaml(pipelines / "user.yaml", ["requires={made-model: nothing.yaml}"])
-    assert Pipeline.from_yaml("pipelines/vlm_moe.yaml").spec.requires == {"shapes-vlm-moe-sft": "pipelines/sft.yaml"}
+    vlm = Pipeline.from_yaml("pipelines/vlm_moe.yaml")
+    assert vlm.spec.requires == {"shapes-vlm-moe-sft": "pipelines/sft.yaml"}
+    assert "requires: shapes-vlm-moe-sft (made by pipelines/sft.yaml)" in vlm.describe()  # molt graph
