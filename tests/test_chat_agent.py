@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from molt.agents import AgentError, ChatServer, ChatTemplate
+from molt.agents import AgentError, ChatAgent, ChatServer, ChatTemplate
 from molt.engines.base import SamplingParams
 from molt.recording import read_batches
 from tests.conftest import run_spec
@@ -76,8 +76,37 @@ def test_a_chat_agent_runs_in_the_rollout_stage(tiny_chat_model, tmp_path, no_or
 def test_sampling_settings_the_rollout_would_not_record_are_refused(tiny_chat_model, chat):
     from tests.doubles.agents import TopPAgent
 
-    with pytest.raises(AgentError, match=r"unsupported sampling settings \['top_p'\]"):
+    with pytest.raises(AgentError, match=r"unsupported options \['top_p'\]"):
         serve(tiny_chat_model, chat, TopPAgent())
+
+
+class Options(ChatAgent):
+    """One request with ``options`` in its body (the SDK's extra_body: any key reaches the server)."""
+
+    def __init__(self, options):
+        self.options = options
+
+    def run(self, client, task):
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body=self.options)
+        return 1.0
+
+
+@pytest.mark.parametrize("options", [{"typical_p": 0.9}, {"top_a": 0.1}, {"response_format": {"type": "json_object"}},
+                                     {"top_k": 5}, {"top_k": False}, {"logprobs": True}, {"seed": 3}, {"stop": ["\n"]},
+                                     {"tools": [{"type": "function", "function": {"name": "f"}}]}])
+def test_every_option_the_server_does_not_apply_is_refused_naming_it(tiny_chat_model, chat, options):
+    [key] = options
+    with pytest.raises(AgentError, match=rf"BadRequestError.*unsupported options \['{key}'\]"):
+        serve(tiny_chat_model, chat, Options(options))
+
+
+@pytest.mark.parametrize("options", [{"top_k": 0}, {"top_k": -1}, {"top_p": 1.0}, {"stop": None}, {"stream": False},
+                                     {"response_format": {"type": "text"}}, {"logprobs": False}, {"user": "u1"},
+                                     {"max_completion_tokens": 3, "presence_penalty": 0}])
+def test_off_values_and_the_options_it_applies_are_accepted(tiny_chat_model, chat, options):
+    ep, [completion] = serve(tiny_chat_model, chat, Options(options))
+    assert ep.score == 1.0 and len(completion.token_ids) <= 5
 
 
 def test_responses_report_token_usage(tiny_chat_model, chat):

@@ -16,7 +16,9 @@ it would against any server. For each request the server:
 
 Sampling is the rollout stage's (temperature, max_new_tokens); a request asking for
 another temperature or ``n > 1`` gets HTTP 400, so nothing the agent sees is sampled
-differently from what is recorded. ``max_turns`` requests per rollout, then HTTP 400.
+differently from what is recorded. Every other request option is applied (``max_tokens``,
+``model`` echoed, ``user`` ignored as the API defines it) or refused with HTTP 400 naming it,
+unless its value is "off" (``top_k`` -1 or 0, ``top_p`` 1, ``stream`` false, ...: `_OFF`). ``max_turns`` requests per rollout, then HTTP 400.
 """
 
 from __future__ import annotations
@@ -137,10 +139,11 @@ class ChatServer:
         t = body.get("temperature")
         if t is not None and t != self.params.temperature:
             return (f"temperature {t} differs from the rollout's {self.params.temperature}; hint: leave it "
-                    "unset, or set it in the rollout stage's config")
-        unsupported = sorted(k for k in _SAMPLING_KEYS if body.get(k) not in (None, _SAMPLING_KEYS[k]))
+                    "unset, or set the pipeline's policy.temperature")
+        unsupported = sorted(k for k, v in body.items() if k not in _APPLIED and not _is_off(k, v))
         if unsupported:
-            return (f"unsupported sampling settings {unsupported}; the rollout samples with temperature "
+            return (f"unsupported options {unsupported} (only these are applied: {sorted(_APPLIED)}; these are "
+                    f"accepted when off: {_OFF}); the rollout samples with temperature "
                     f"{self.params.temperature} and records exactly that; hint: leave them unset")
         if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
             return "messages must have string contents"
@@ -176,10 +179,21 @@ class ChatServer:
         return session.last_text
 
 
-# Request settings that would change the sampled distribution, with their neutral values.
-_SAMPLING_KEYS: dict[str, Any] = {"top_p": 1, "top_k": -1, "min_p": 0, "stop": [], "seed": None,
-                                  "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-                                  "repetition_penalty": 1}
+# Request keys the server applies; every other key is refused with HTTP 400 unless its value is
+# None or one of its "off" values below (which leave sampling as the rollout does it).
+_APPLIED = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "n", "user"})
+_OFF: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "stop": ([], ""), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},), "stream": (False,),
+    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": ([],),
+    "tool_choice": ("none",)}
+
+
+def _is_off(key: str, value: Any) -> bool:
+    """Whether ``value`` of request option ``key`` leaves sampling as it is: None or one of its `_OFF`
+    values (1.0 is 1; a bool is not a number: ``top_k: false`` is refused)."""
+    return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool)
+                                for off in _OFF.get(key, ()))
 
 
 def _error(status: int, message: str) -> web.Response:
