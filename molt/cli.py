@@ -44,11 +44,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
 
 
+def check_torchvision() -> None:
+    """Refuse to start when an installed torchvision cannot be imported beside this torch.
+
+    PyPI's torchvision (which `pip install -e '.[cpu]'` brings back beside the CPU torch) fails
+    with "operator torchvision::nms does not exist", and transformers then fails in every stage
+    with "Could not import module 'LlamaConfig'", hiding the cause. Costs one import of
+    torchvision (about a second) where it is installed, nothing where it is not.
+
+    Raises:
+        ValueError: torchvision is installed and does not import, with the command that fixes it.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - whatever breaks it, transformers would break the same way
+        raise ValueError(f"torchvision is installed but does not import beside torch: {type(e).__name__}: {e}; "
+                         "every stage would fail in transformers (\"Could not import module 'LlamaConfig'\"); "
+                         "hint: pip uninstall -y torchvision torchaudio torchcodec (Molt needs none of them)") from e
+
+
 def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> int:
     """Run ``pipe`` in ``run_dir`` (new or empty unless ``resume`` is True; a checkpoint
     folder as ``resume`` restores a new run's stages from it)."""
     from molt.requires import make_required
     from molt.runner import Runner, default_run_dir
+
+    check_torchvision()
 
     path = Path(run_dir) if run_dir else default_run_dir(pipe)
     if resume is True and not (path / "pipeline.yaml").is_file():
@@ -67,6 +92,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.lower_bound and not args.threshold:
         raise ValueError("--lower-bound applies to --threshold; got no --threshold; hint: --threshold KEY=VALUE")
     threshold = Threshold.parse(args.threshold, args.lower_bound) if args.threshold else None
+    check_torchvision()
     sweep = Sweep(args.pipeline, args.set, Path(args.out or f"runs/{Path(args.pipeline).stem}-sweep"), args.seeds,
                   threshold)
     catch_stop_signals()

@@ -1,5 +1,9 @@
 """molt inspect, replay_spec and --set, without starting a run."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from molt.cli import main, replay_spec
@@ -72,3 +76,18 @@ def test_the_molt_command_imports_custom_classes_from_where_it_starts(tmp_path):
     out = subprocess.run([str(molt), "graph", "p.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "rollout" in out.stdout
+
+
+def test_a_torchvision_that_does_not_import_is_named_before_anything_starts(tmp_path):
+    fake = tmp_path / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.getcwd()}"}
+    for args in (["run", "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "run")],
+                 ["sweep", "pipelines/smoke.yaml", "--seeds", "1", "--out", str(tmp_path / "sweep")]):
+        out = subprocess.run([sys.executable, "-m", "molt.cli", *args], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "torchvision is installed but does not import beside torch: RuntimeError: operator torchvision::nms" \
+               in out.stderr and "hint: pip uninstall -y torchvision torchaudio torchcodec" in out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep" / "seed_0").exists()
