@@ -45,6 +45,7 @@ class MetricsWriter:
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            drop_torn_line(path)
             self._file = open(path, "a", buffering=1)  # line-buffered: the runner tails it
         self._last_flush = 0.0
 
@@ -76,3 +77,15 @@ class MetricsWriter:
             self.flush_counters()
             self._file.close()
             self._file = None
+
+
+def drop_torn_line(path: Path) -> None:
+    """Cut a last line that a killed process left without its newline, before appending to ``path``
+    (a resumed replica's metrics file: the runner merges whole lines only, so it never merged that
+    one; a run's ``metrics.jsonl`` after ``molt run`` itself was killed)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)

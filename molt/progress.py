@@ -1,7 +1,7 @@
 """Live progress of a run: merges per-replica metrics and draws one table per refresh.
 
 The runner calls :meth:`Progress.update` every poll; it appends new lines of every
-``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` and keeps, per metric key,
+``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` (a resumed run: those it lacks) and keeps, per metric key,
 the latest value of each replica, combined across replicas by the reduction the
 stage declared (``sum`` for counters such as ``rows_out``; ``last`` by default).
 On a terminal it renders a rich table (stage, rows in/out, rows/s, latest metrics);
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from molt.metrics import get_logger
+from molt.metrics import drop_torn_line, get_logger
 from molt.pipeline import Pipeline
 
 log = get_logger("runner")
@@ -41,6 +41,8 @@ class Progress:
         self.log_every_s, self._last_log = log_every_s, 0.0
         self._live: Live | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        drop_torn_line(self.run_dir / "metrics.jsonl")
+        self.merged = _merged_lines(self.run_dir / "metrics.jsonl")  # a resumed run's, per replica file
         self._out = open(self.run_dir / "metrics.jsonl", "a")
 
     def __enter__(self) -> Progress:
@@ -77,7 +79,10 @@ class Progress:
                 if not line.endswith("\n"):
                     break  # a line still being written: read it next time
                 self.offsets[path] = f.tell()
-                self._out.write(line)
+                if self.merged.get(path.name, 0) > 0:  # in metrics.jsonl already: read, not written again
+                    self.merged[path.name] -= 1
+                else:
+                    self._out.write(line)
                 rec = json.loads(line)
                 for k, v in rec["values"].items():
                     if k in self.history:
@@ -118,3 +123,15 @@ def _collapse(values: dict[str, float], sid: str) -> list[str]:
     """The collapse figures of stage ``sid`` among ``values`` (key -> latest), as "name value"."""
     keys = ("entropy/mean", "collapse/identical_groups_frac", "collapse/zero_variance_frac")
     return [f"{k} {values[f'{sid}/{k}']:.3g}" for k in keys if f"{sid}/{k}" in values]
+
+
+def _merged_lines(path: Path) -> dict[str, int]:
+    """Lines of each replica's metrics file (by name, ``{stage}.{replica}.jsonl``) that ``path``
+    (a run's ``metrics.jsonl``) holds already: a resumed run merges only the lines after them."""
+    counts: dict[str, int] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            name = f"{rec['stage']}.{rec['replica']}.jsonl"
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -72,9 +72,16 @@ def test_a_resumed_run_delivers_every_row_exactly_once(tmp_path, no_orphans):
     assert code == 0
     full = sorted(r["sample_id"] for b in read_batches(tmp_path / "run" / "record") for r in b.to_pylist())
     drop_checkpoints_after(tmp_path / "run", 2)
+    for torn in ("metrics/sink.0.jsonl", "metrics.jsonl"):  # lines cut in half by a kill
+        with open(tmp_path / "run" / torn, "a") as f:
+            f.write('{"time": 1.0, "stage": "sink", "rep')
     assert Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False, resume=True).run() == 0
     resumed = sorted(r["sample_id"] for b in read_batches(tmp_path / "run" / "record") for r in b.to_pylist())
     assert resumed == full and len(full) == 24
+    merged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for replica in (tmp_path / "run" / "metrics").glob("*.jsonl"):  # every line once: none again, none torn
+        lines = [json.loads(line) for line in replica.read_text().splitlines()]
+        assert [m for m in merged if f"{m['stage']}.{m['replica']}.jsonl" == replica.name] == lines, replica.name
     assert json.loads((tmp_path / "run" / "resume.json").read_text())["checkpoint"].endswith("barrier_2")
 
 
