@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from molt.config import apply_override
+from molt.config import apply_override, load_yaml
 from molt.pipeline import Pipeline
 from molt.placement import catch_stop_signals
 from molt.recording import edge_dirname as edge_dir
@@ -172,7 +172,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.pipeline is None:
         raise ValueError("molt replay RECORDING PIPELINE.yaml: the pipeline is missing; hint: or replay a run "
                          "directory with --from-step K")
-    data = yaml.safe_load(Path(args.pipeline).read_text())
+    data = load_yaml(Path(args.pipeline))
     for item in args.set:
         apply_override(data, item, args.pipeline)
     into = args.into or recorded_consumer(args.recording)

@@ -23,14 +23,17 @@ def load_yaml(path: Path) -> dict[str, Any]:
     """A YAML mapping from ``path``; duplicate keys are errors.
 
     Raises:
-        ValueError: missing file, invalid YAML, or not a mapping (naming the file).
+        ValueError: missing file, not UTF-8, invalid YAML, or not a mapping (naming the file).
     """
     if not path.is_file():
         raise ValueError(f"{path}: pipeline file not found")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: invalid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}; "
+                         "hint: save the pipeline as UTF-8") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a pipeline is a mapping with 'stages' and 'edges'")
     return data
@@ -59,7 +62,7 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
     list items by index: ``edges.0.capacity=8`` or ``edges[0].capacity=8``.
 
     Raises:
-        ValueError: the item has no ``=`` or walks through a non-mapping.
+        ValueError: the item has no ``=``, its value is not YAML, or it walks through a non-mapping.
     """
     if "=" not in item:
         raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.source.config.num_groups=4")
@@ -76,7 +79,11 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
         elif not isinstance(node, dict):
             raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a mapping nor a list")
         if i == len(parts) - 1:
-            node[part] = yaml.safe_load(value)
+            try:
+                node[part] = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{source}: --set {item}: the value is not YAML: {e}; hint: quote the whole "
+                                 "item in the shell, e.g. --set 'key=[1, 2]'") from None
         else:
             node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
 

@@ -104,14 +104,24 @@ def read_schema(path: str | os.PathLike[str]) -> pa.Schema:
 
 
 def read_batches(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
-    """Every batch of a recording, file by file, in order.
+    """Every batch of a recording, file by file, in order; each fully validated (buffers against
+    schema) before it is yielded, so a corrupt file raises here rather than crashing a reader.
 
     Raises:
-        ValueError: a file that is not Arrow IPC (naming it).
+        ValueError: a file that is not Arrow IPC, or one cut off or corrupt inside a batch (a run
+            killed while it recorded), naming it and how many batches before that are whole.
     """
     for f in recording_files(path):
         with _open(f) as reader:
-            yield from reader
+            whole = 0
+            try:
+                for batch in reader:
+                    batch.validate(full=True)
+                    yield batch
+                    whole += 1
+            except (OSError, pa.ArrowInvalid) as e:
+                raise ValueError(f"{f}: cut off or corrupt after {whole} whole batches: {e}; hint: a run killed "
+                                 "while recording leaves its last batch incomplete") from None
 
 
 def _open(path: Path) -> Any:

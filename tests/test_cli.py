@@ -1,5 +1,6 @@
 """molt inspect, replay_spec and --set, without starting a run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from molt.cli import main, replay_spec
-from molt.recording import RecordWriter, summarize
+from molt.recording import RecordWriter, read_batches, summarize
 from molt.schema import COLUMNS, batch_from_rows, make_schema
 
 
@@ -38,6 +39,46 @@ def test_inspect_prints_rows_columns_docs_and_a_decoded_sample(tmp_path, capsys)
 def test_inspect_names_a_missing_file(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope.arrow")]) == 2
     assert "nope.arrow' does not exist" in capsys.readouterr().err
+
+
+def test_a_recording_cut_off_inside_a_batch_is_named_with_its_whole_batches(tmp_path, capsys):
+    schema = make_schema([COLUMNS[c] for c in ("sample_id", "token_ids", "loss_mask", "score")], "trajectory")
+    path = tmp_path / "rec" / "x.0.arrow"
+    w = RecordWriter(path)
+    for k in range(3):
+        w.write(batch_from_rows([{"sample_id": f"s{k}", "token_ids": list(range(200)), "loss_mask": [True] * 200,
+                                  "score": 1.0}], schema))
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 900])  # a kill inside the third batch
+    assert main(["inspect", str(path)]) == 2
+    assert f"{path}: cut off or corrupt after 2 whole batches" in capsys.readouterr().err
+
+
+def test_a_replay_of_a_cut_off_recording_delivers_the_whole_batches_then_fails_naming_the_file(tmp_path, no_orphans):
+    smoke = ["--set", "stages.source.config.num_groups=8"]
+    assert main(["run", "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "run"), *smoke]) == 0
+    [path] = (tmp_path / "run" / "record" / "advantage.out--sink.in").glob("*.arrow")
+    rows = [b.num_rows for b in read_batches(path)]
+    whole = len(rows)
+    path.write_bytes(path.read_bytes()[:-200])
+    assert main(["replay", str(path), "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "replay")]) == 1
+    summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
+    assert f"{path}: cut off or corrupt after {whole - 1} whole batches" in summary["error"]
+    delivered = sum(b.num_rows for b in read_batches(tmp_path / "replay" / "record"))
+    assert delivered == sum(rows[:-1]), "the whole batches before the cut reached the sink"
+
+
+def test_bad_files_and_values_are_named(tmp_path, capsys):
+    bad = tmp_path / "p.yaml"
+    bad.write_bytes(b"name: caf\xe9\n")  # Latin-1, not UTF-8
+    for argv in (["graph", str(bad)], ["replay", str(tmp_path / "r.arrow"), str(bad)]):
+        assert main(argv) == 2
+        assert f"{bad}: not UTF-8 text: byte 0xe9 at offset 9" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "r.arrow"), str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: pipeline file not found" in capsys.readouterr().err
+    assert main(["graph", "pipelines/smoke.yaml", "--set", "name=[unclosed"]) == 2
+    assert "--set name=[unclosed: the value is not YAML" in capsys.readouterr().err
 
 
 def test_graph_reports_a_yaml_error_with_exit_code_2(tmp_path, capsys):
