@@ -74,7 +74,7 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
     from molt.runner import Runner, default_run_dir
 
     check_torchvision()
-
+    pipe.preflight()
     path = Path(run_dir) if run_dir else default_run_dir(pipe)
     if resume is True and not (path / "pipeline.yaml").is_file():
         raise ValueError(f"--resume {str(path)!r}: not a run directory (no pipeline.yaml)")

@@ -215,6 +215,15 @@ class Pipeline:
         _check_graph(pipe)
         return pipe
 
+    def preflight(self) -> None:
+        """Every stage's `Stage.preflight` (datasets and files), as `molt run` and `molt sweep` call it once.
+
+        Raises:
+            ValueError: the first problem, naming the stage's config key.
+        """
+        for sid, n in self.stages.items():
+            n.cls.preflight(n.config, f"{self.source}: stages.{sid}.config")
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved pipeline as plain data (validated configs, import paths)."""
         data = self.spec.model_dump(by_alias=True, exclude={"stages"})

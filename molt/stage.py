@@ -122,6 +122,11 @@ class Stage:
         """The (inputs, outputs) port contracts; override when they depend on config."""
         return dict(cls.inputs), dict(cls.outputs)
 
+    @classmethod
+    def preflight(cls, config: StageConfig, where: str) -> None:
+        """Checks beyond the config's types (files, datasets) that `molt run` and `molt sweep` make
+        once, before any process starts; raise ValueError naming ``where`` (the config's YAML path)."""
+
     def setup(self) -> None:
         """Load models, open files. Runs after the sockets are connected."""
 

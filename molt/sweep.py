@@ -102,6 +102,7 @@ class Sweep:
         self.pipeline, self.overrides = os.path.normpath(pipeline), list(overrides)  # ./x.yaml is x.yaml
         self.out, self.threshold = Path(out), threshold
         self.pipe = Pipeline.from_yaml(pipeline, overrides)  # every problem of the YAML before any run
+        self.pipe.preflight()
         if num_seeds < 1:
             raise ValueError(f"--seeds: a sweep needs at least one seed; got {num_seeds}; hint: --seeds 5")
         if not self.pipe.spec.results:

@@ -59,6 +59,18 @@ class DatasetSource(Source):
         self._batches: Batcher[Record] | None = None
         self.num_batches = 0
 
+    @classmethod
+    def preflight(cls, config: StageConfig, where: str) -> None:
+        """Load the task once before the run starts: a missing, empty or malformed dataset, or one
+        with a repeated prompt_id, is refused before any engine starts."""
+        assert isinstance(config, cls.Config)
+        try:
+            task = config.task.load()
+        except ValueError as e:
+            raise ValueError(f"{where}.task: {e}") from None
+        if task.num_records == 0:
+            raise ValueError(f"{where}.task: no records; hint: num_problems >= 1")
+
     def setup(self) -> None:
         c, ctx = self.config, self.ctx
         self.schema = make_schema(resolve_fields(WRITES, "DatasetSource"), "trajectory")

@@ -203,3 +203,26 @@ def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
 
     task = GSM8KTask(path=GSM8K / "test.jsonl", num_problems=5).load()
     assert task.num_records == 5 and task.record(0)["answer"] == "18"
+
+
+def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anything_starts(tmp_path, capsys):
+    from molt.cli import main
+
+    rows = [{"prompt_id": "q1", "prompt": "1+1?", "answer": "2"}, {"prompt_id": "q2", "prompt": "2+2?", "answer": "4"},
+            {"prompt_id": "q1", "prompt": "3+3?", "answer": "6"}]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"qa.jsonl: rows 0 and 2 have the same prompt_id 'q1'; it keys a prompt's"):
+        JSONLTask(path=path).load()
+    assert JSONLTask(path=path, num_problems=2).load().num_records == 2
+    (tmp_path / "empty.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl: no records \(1 malformed lines skipped\)"):
+        JSONLTask(path=tmp_path / "empty.jsonl", skip_malformed=True).load()
+    # molt run and molt sweep check the dataset before any process starts
+    task = f"stages.source.config.task={{type: jsonl, path: {path}}}"
+    for argv in (["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set", task],
+                 ["sweep", "pipelines/quickstart.yaml", "--seeds", "1", "--out", str(tmp_path / "sw"), "--set", task]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "stages.source.config.task: " in err and "rows 0 and 2 have the same prompt_id 'q1'" in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sw" / "seed_0").exists()

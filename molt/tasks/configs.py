@@ -96,8 +96,23 @@ class _FileTask(_TaskConfig):
         return path
 
     def first(self, records: RecordSet) -> RecordSet:
-        """The first ``num_problems`` records (all when unset)."""
-        return RecordSet(records.records[:self.num_problems], records.skipped)
+        """The first ``num_problems`` records (all when unset).
+
+        Raises:
+            ValueError: no record is left, or two have one ``prompt_id`` (a group key: their
+                rollouts would be one group), naming the file and the two rows.
+        """
+        chosen = RecordSet(records.records[:self.num_problems], records.skipped)
+        if not chosen.records:
+            raise ValueError(f"{self.path}: no records ({len(records.skipped)} malformed lines skipped); "
+                             "hint: a task needs at least one prompt")
+        first_row: dict[str, int] = {}
+        for row, record in enumerate(chosen.records):
+            if (earlier := first_row.setdefault(record["prompt_id"], row)) != row:
+                raise ValueError(f"{self.path}: rows {earlier} and {row} have the same prompt_id "
+                                 f"{record['prompt_id']!r}; it keys a prompt's group, so their rollouts would "
+                                 "be graded as one group; hint: give every record its own prompt_id")
+        return chosen
 
 
 class GSM8KTask(_FileTask):
