@@ -36,11 +36,9 @@ also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,17 +57,15 @@ from molt.stage import SCRATCH_ENV, scratch_folder
 log = get_logger("runner")
 
 
-def make_wiring(pipe: Pipeline, run_dir: Path,
+def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
                tcp_host: Callable[[str, int], tuple[str, Callable[[str], int]]] | None = None) -> dict[str, Any]:
     """Endpoints of every edge: one per producer replica, plus the consumer ids.
 
+    ``ipc://`` sockets go in ``sock_dir`` (the run's private scratch folder: mode 0700, a name
+    no one can guess, short enough for a socket path, removed when every process is gone).
     ``tcp_host(stage, replica)`` gives the address a producer binds its tcp edges to and a
     function giving a free port there (a Ray launcher's node); default: ``host``, this machine.
     """
-    sock_dir = run_dir.resolve() / "sock"
-    if len(str(sock_dir)) > 80:  # ipc:// paths are limited to ~107 bytes
-        digest = hashlib.sha1(str(sock_dir).encode()).hexdigest()[:10]
-        sock_dir = Path(tempfile.gettempdir()) / f"molt-{digest}"
     curve = None  # the keys file of CURVE tcp edges (molt.curve)
     if pipe.spec.transport == "tcp" and pipe.spec.curve:
         keys = CurveKeys.read(pipe.spec.curve_keys) if pipe.spec.curve_keys else CurveKeys.generate()
@@ -137,7 +133,7 @@ class Runner:
                 raise PlacementError(remote, f"{self.pipe.source}: stages.{remote}: Ray placed it on another node "
                                      "than molt run; ipc edges stay on one host: set transport: tcp")
             tcp_host = lambda sid, r: (slots[sid][r][0].address, slots[sid][r][0].free_port)  # noqa: E731
-        wiring = make_wiring(self.pipe, self.run_dir, tcp_host)
+        wiring = make_wiring(self.pipe, self.run_dir, self.scratch / "sock", tcp_host)
         (self.run_dir / "wiring.json").write_text(json.dumps(wiring, indent=1))
         for sid in owners:
             for r, replica_slots in enumerate(slots[sid]):

@@ -35,7 +35,7 @@ def recorded_rows(run_dir: Path, edge: str) -> list[dict]:
 
 
 def test_smoke_pipeline_runs_through_the_cli_and_delivers_every_row_once(tmp_path, no_orphans):
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / ("a-folder-name-long-enough-that-its-path-could-not-hold-a-socket-" * 2) / "run"
     out = subprocess.run([*MOLT, "run", "pipelines/smoke.yaml", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -47,6 +47,12 @@ def test_smoke_pipeline_runs_through_the_cli_and_delivers_every_row_once(tmp_pat
     assert all(r["reward"] is not None and len(r["advantages"]) == len(r["token_ids"]) for r in rows)
     for name in ("pipeline.yaml", "wiring.json", "metrics.jsonl", "logs/shape.1.log", "status/sink.0.json"):
         assert (run_dir / name).exists(), name
+    # the ipc sockets lived in the run's private scratch folder (mkdtemp: mode 0700, a random name), now gone
+    folders = {Path(ep[len("ipc://"):]).parent for w in json.loads((run_dir / "wiring.json").read_text()).values()
+               for ep in w["endpoints"]}
+    [sock] = folders
+    assert sock.name == "sock" and sock.parent.name.startswith("molt-run-") and not sock.parent.exists()
+    assert not (run_dir / "sock").exists()
     graph = subprocess.run([*MOLT, "graph", "pipelines/smoke.yaml"], capture_output=True, text=True, timeout=60)
     assert graph.returncode == 0 and "advantage.out->sink.in" in graph.stdout
 
