@@ -140,9 +140,10 @@ def catch_stop_signals() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_deferred() -> Iterator[None]:
+def stop_signals_deferred(raise_after: bool = True) -> Iterator[list[int]]:
     """Hold SIGINT/SIGTERM (``raise_interrupt``) back while child processes are started and
-    recorded; KeyboardInterrupt at the end of the block if one came.
+    recorded; KeyboardInterrupt at the end of the block if one came (unless not ``raise_after``:
+    a stop sequence, which reads the yielded list of held signals to hurry instead).
 
     Arriving during a fork, Python runs the handler inside an at-fork hook (logging's), which
     swallows the KeyboardInterrupt it raises: the Ctrl-C is lost and the run goes on (seen in
@@ -151,10 +152,10 @@ def stop_signals_deferred() -> Iterator[None]:
     global _held
     _held = []
     try:
-        yield
+        yield _held
     finally:
         held, _held = _held, None
-        if held:
+        if held and raise_after:
             raise KeyboardInterrupt
 
 

@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,21 +216,26 @@ class Runner:
             except KeyboardInterrupt:
                 log.warning("interrupted: stopping %d process(es)", len(self.procs))
                 self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
-            finally:
-                self.stop()
-                if self.backend is not None and self.scratch is not None:
-                    self.backend.close(self.scratch)
-                prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
-            progress.update(time.monotonic() - self.start_s)
-            return self._finish(progress, time.monotonic() - self.start_s)
+            finally:  # a second Ctrl-C hurries the stop (no wait for SIGTERM) and never breaks it off
+                with stop_signals_deferred(raise_after=False) as again:
+                    self.stop(hurry=again)
+                    if self.backend is not None and self.scratch is not None:
+                        self.backend.close(self.scratch)
+                    prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
+                    progress.update(time.monotonic() - self.start_s)
+                    code = self._finish(progress, time.monotonic() - self.start_s)
+            return code
 
-    def stop(self) -> None:
-        """Stop every process and its descendants: SIGTERM, then SIGKILL (idempotent)."""
+    def stop(self, hurry: Sequence[int] = ()) -> None:
+        """Stop every process and its descendants: SIGTERM, then SIGKILL after ``stop_timeout_s``
+        or as soon as ``hurry`` (the stop signals that came meanwhile) is not empty (idempotent)."""
         for p in self.procs:
             p.terminate()
         deadline = time.monotonic() + self.pipe.spec.stop_timeout_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and not hurry and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
+        if hurry:
+            log.warning("a second stop signal: killing every process without waiting")
         for p in self.procs:
             p.kill()
 

@@ -126,6 +126,33 @@ def test_ctrl_c_stops_every_process_including_grandchildren(tmp_path, no_orphans
     assert summary["metrics"]["source/rows_out"] > 0, "what ran before the interrupt is summarised"
 
 
+def test_a_second_ctrl_c_kills_at_once_and_the_run_still_ends_cleanly(tmp_path, no_orphans):
+    run_dir = tmp_path / "run"
+    spec = chain(("slow", "tests.doubles.stages.Sleepy",
+                  {"config": {"sleep_s": 30, "spawn_child": True, "ignore_sigterm": True}}), num_groups=8)
+    spec["stop_timeout_s"] = 120  # a stage that ignores SIGTERM would hold the first stop this long
+    path = tmp_path / "p.yaml"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([*MOLT, "run", str(path), "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "pids.slow.0").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = json.loads((run_dir / "pids.slow.0").read_text())
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # the stop sequence is waiting for the stage that ignores SIGTERM
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - start < 20, err[-3000:]
+    assert "Traceback" not in err and "a second stop signal: killing every process without waiting" in err
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    sockets = {ep for w in json.loads((run_dir / "wiring.json").read_text()).values() for ep in w["endpoints"]}
+    assert not any(Path(ep[len("ipc://"):]).parent.parent.exists() for ep in sockets), "the scratch folder is gone"
+
+
 def test_a_stop_signal_while_processes_start_is_held_until_they_are_recorded(tmp_path):
     # Python runs a handler that arrives during a fork inside logging's at-fork hook, which swallows the
     # KeyboardInterrupt: 1 in ~10 Ctrl-Cs in a run's first second were lost, the run going on (CI).

@@ -49,11 +49,14 @@ class Sleepy(Transform):
     class Config(StageConfig):
         sleep_s: float = 0.5
         spawn_child: bool = False
+        ignore_sigterm: bool = False  # it and its child: only SIGKILL stops them
 
     def setup(self) -> None:
         assert self.ctx.run_dir is not None
         pids = [os.getpid()]
-        if self.config.spawn_child:  # like an engine process under a stage
+        if self.config.ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.config.spawn_child:  # like an engine process under a stage (SIG_IGN is inherited)
             self.child = subprocess.Popen(["sleep", "300"])
             pids.append(self.child.pid)
         (self.ctx.run_dir / f"pids.{self.ctx.stage_id}.{self.ctx.replica}").write_text(json.dumps(pids))
