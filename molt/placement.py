@@ -177,7 +177,8 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
-    descendants: set[int] = field(default_factory=set)
+    # every descendant seen, by identity (pid and start time: psutil refuses to signal a pid reused since)
+    descendants: dict[int, psutil.Process] = field(default_factory=dict)
 
     @classmethod
     def start(cls, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
@@ -192,7 +193,8 @@ class Proc:
         """The exit code, or None while running (and note its descendants, to stop strays later)."""
         if self.popen.poll() is None:
             try:
-                self.descendants |= {c.pid for c in psutil.Process(self.popen.pid).children(recursive=True)}
+                for child in psutil.Process(self.popen.pid).children(recursive=True):
+                    self.descendants.setdefault(child.pid, child)
             except psutil.Error:
                 pass
         return self.popen.poll()
@@ -203,14 +205,15 @@ class Proc:
             _signal_group(self.popen.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        """SIGKILL to its process group and to every descendant that left it; waits (idempotent)."""
+        """SIGKILL to its process group and to every descendant that left it and still runs as the
+        process seen (a pid that an unrelated process took since is left alone); waits (idempotent)."""
         self.poll()
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
-        for pid in self.descendants:
+        for child in self.descendants.values():
             try:
-                psutil.Process(pid).kill()
+                child.kill()  # psutil checks (pid, start time) first: NoSuchProcess for a reused pid
             except psutil.Error:
                 pass
 

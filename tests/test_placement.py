@@ -291,3 +291,31 @@ def test_a_launcher_refuses_a_node_without_the_shared_folders(tmp_path):
     launcher.start("train.0", ["-c", "print('ran')"], {}, None, str(logs / "train.0.log"), str(tmp_path),
                    str(tmp_path / "s"))
     assert launcher.wait() == 0 and (logs / "train.0.log").read_text() == "ran\n" and (tmp_path / "s").is_dir()
+
+
+def test_a_stop_never_kills_a_process_that_took_a_remembered_descendants_pid(tmp_path):
+    """The runner remembers every descendant it saw, to kill strays at the stop; once a short-lived
+    one's pid is reused by an unrelated process, that process must survive."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from molt.placement import Proc
+
+    stage = Proc.start("stage", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), None,
+                       tmp_path / "log")
+    unrelated = subprocess.Popen(["sleep", "60"])
+    try:
+        seen = psutil.Process(unrelated.pid)
+        # a process table double: the remembered descendant had this pid, but started earlier (pid reused since)
+        seen._ident = (seen.pid, seen.create_time() - 100.0)
+        stage.descendants[seen.pid] = seen
+        stage.kill()
+        assert stage.popen.returncode == -9 and unrelated.poll() is None, "the unrelated process lives"
+        stage.descendants[seen.pid] = psutil.Process(unrelated.pid)  # the true one is killed
+        stage.kill()
+        assert unrelated.wait(timeout=5) == -9
+    finally:
+        unrelated.kill()
