@@ -230,9 +230,60 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+class Janitor:
+    """A process of its own that cleans up after a ``molt run`` killed outright (SIGKILL, the OOM
+    killer), which cannot clean up itself: its stage processes die with it (PR_SET_PDEATHSIG), but
+    not what they started (vLLM's engine core and workers, a resource tracker), nor the scratch folder.
+
+    Told each local process as it starts (`watch`: its pid, which is its session id, and start
+    time), the janitor waits on a pipe from ``molt run``; when the pipe closes without `done`,
+    ``molt run`` is gone, and it kills every process still in those sessions (started after their
+    leader) and removes the scratch folder. It runs in a session of its own, so a Ctrl-C at the
+    terminal does not reach it.
+    """
+
+    def __init__(self, scratch: Path) -> None:
+        import sys
+
+        self.popen = subprocess.Popen([sys.executable, "-c", "from molt.placement import janitor_main; janitor_main()",
+                                       str(scratch)], stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+    def watch(self, proc: Proc) -> None:
+        assert self.popen.stdin is not None
+        with contextlib.suppress(psutil.Error):  # gone already: nothing of it to clean up
+            self.popen.stdin.write(f"{proc.popen.pid} {psutil.Process(proc.popen.pid).create_time()}\n")
+            self.popen.stdin.flush()
+
+    def done(self) -> None:
+        """``molt run`` stopped its processes itself: the janitor leaves (idempotent)."""
+        if self.popen.stdin is not None and not self.popen.stdin.closed:
+            self.popen.stdin.write("done\n")
+            self.popen.stdin.close()
+        self.popen.wait()
+
+
+def janitor_main() -> None:
+    """The `Janitor` process: ``python -c ... SCRATCH``, sessions on stdin, ``done`` to leave."""
+    import sys
+
+    sessions: dict[int, float] = {}
+    for line in sys.stdin:
+        if line == "done\n":
+            return
+        pid, started = line.split()
+        sessions[int(pid)] = float(started)
+    for proc in psutil.process_iter(["create_time"]):  # molt run is gone without saying done
+        with contextlib.suppress(OSError, psutil.Error):
+            if (leader := os.getsid(proc.pid)) in sessions and proc.info["create_time"] >= sessions[leader]:
+                proc.kill()
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+@dataclass
 class LocalSlot:
     """Where a local process runs: this host."""
 
+    backend: LocalBackend
     address: str | None = None  # None: edges bind to the pipeline's ``host``, torchrun to loopback
 
     def free_port(self, host: str) -> int:
@@ -242,14 +293,23 @@ class LocalSlot:
               scratch: Path) -> Proc:
         import sys
 
-        return Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, log_path)
+        if self.backend.janitor is None:
+            self.backend.janitor = Janitor(scratch)
+        proc = Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, log_path)
+        self.backend.janitor.watch(proc)
+        return proc
 
 
 class LocalBackend:
-    """Every process a child of ``molt run`` on this host."""
+    """Every process a child of ``molt run`` on this host, a `Janitor` watching them."""
+
+    def __init__(self) -> None:
+        self.janitor: Janitor | None = None
 
     def reserve(self, sid: str, replicas: int, nodes: int) -> list[list[LocalSlot]]:
-        return [[LocalSlot()] for _ in range(replicas)]
+        return [[LocalSlot(self)] for _ in range(replicas)]
 
     def close(self, scratch: Path) -> None:
+        if self.janitor is not None:
+            self.janitor.done()
         shutil.rmtree(scratch, ignore_errors=True)

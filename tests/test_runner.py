@@ -153,6 +153,32 @@ def test_a_second_ctrl_c_kills_at_once_and_the_run_still_ends_cleanly(tmp_path, 
     assert not any(Path(ep[len("ipc://"):]).parent.parent.exists() for ep in sockets), "the scratch folder is gone"
 
 
+def test_a_killed_molt_run_leaves_no_process_and_no_scratch_folder_behind(tmp_path, no_orphans):
+    run_dir = tmp_path / "run"
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"replicas": 2, "config": {"sleep_s": 30, "spawn_child": True}}),
+                 num_groups=8)
+    path = tmp_path / "p.yaml"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([*MOLT, "run", str(path), "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    pid_files = [run_dir / f"pids.slow.{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [pid for p in pid_files for pid in json.loads(p.read_text())]  # the stages and the children they started
+    sockets = {ep for w in json.loads((run_dir / "wiring.json").read_text()).values() for ep in w["endpoints"]}
+    scratch = Path(next(iter(sockets))[len("ipc://"):]).parent.parent
+    assert scratch.exists() and len(pids) == 4
+    proc.kill()  # SIGKILL: molt run cannot clean up; its janitor does
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (scratch.exists() or any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)):
+        time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not scratch.exists()
+
+
 def test_a_stop_signal_while_processes_start_is_held_until_they_are_recorded(tmp_path):
     # Python runs a handler that arrives during a fork inside logging's at-fork hook, which swallows the
     # KeyboardInterrupt: 1 in ~10 Ctrl-Cs in a run's first second were lost, the run going on (CI).
