@@ -54,6 +54,8 @@ class EdgeConfig(BaseModel):
     record: bool = False
     capacity: int = Field(4, ge=1, description="credits per consumer replica (batches in flight)")
     hwm: int = Field(64, ge=1, description="ZeroMQ high-water mark (messages)")
+    max_message_mib: int = Field(1024, ge=1, description="largest message a consumer accepts (MiB); larger "
+                                 "ones fail the run naming the edge and producer")
 
 
 class StageSpec(BaseModel):

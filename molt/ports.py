@@ -15,7 +15,8 @@ import zmq.asyncio
 
 from molt.schema import conform
 from molt.transport import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
-                            ProtocolError, SendBuffers, UpstreamError, decode_batch, encode_batch, split_frames)
+                            ProtocolError, SendBuffers, UpstreamError, control_payload, decode_batch, encode_batch,
+                            split_frames)
 
 
 class InputPort:
@@ -84,9 +85,8 @@ class InputPort:
             await self._read(sock)
 
     async def _read(self, sock: Any) -> None:
-        where = self._open[sock]
-        kind, payload = split_frames(await sock.recv_multipart(copy=False), where)
-        spec = self._spec[sock]
+        where, spec = self._open[sock], self._spec[sock]
+        kind, payload = split_frames(await sock.recv_multipart(copy=False), where, spec.max_message_bytes)
         if kind == DATA:
             self._ready.append(decode_batch(payload, spec.schema, where))
             if spec.kind != "broadcast":
@@ -100,10 +100,13 @@ class InputPort:
             self.poller.unregister(sock)
             self._release_if_aligned()
         elif kind == ERROR:
-            info = json.loads(bytes(payload))
-            raise UpstreamError(info["stage"], info["error"])
+            raise UpstreamError(str(control_payload(payload, "stage", where)), str(control_payload(payload, "error",
+                                                                                                    where)))
         elif kind == BARRIER:
-            self._held[sock] = int(json.loads(bytes(payload))["step"])
+            step = control_payload(payload, "step", where)
+            if not isinstance(step, int):
+                raise ProtocolError(f"{where}: barrier step {step!r} is not an integer")
+            self._held[sock] = step
             self.poller.unregister(sock)  # hold this producer back until the barrier aligns
             self._release_if_aligned()
         else:

@@ -253,7 +253,7 @@ class Runner:
         if not own and dead:
             return {"stage": dead[0].name, "error": dead[0].failure() + _log_tail(dead[0].log_path)}
         first = min(own or statuses, key=lambda s: s["time"])
-        return {"stage": first["stage"], "error": first["error"]}
+        return {"stage": first["stage"], "error": first["error"], "upstream": first["upstream"]}
 
     def _finish(self, progress: Progress, wall_s: float) -> int:
         failure = self.failure or {}
@@ -273,7 +273,8 @@ class Runner:
         if status == "interrupted":
             log.warning("run interrupted after %.1f s; every process stopped: %s", wall_s, self.run_dir)
             return 130
-        log.error("stage %s failed; run stopped (%s)\n%s", failure["stage"], self.run_dir, failure["error"])
+        log.error("stage %s failed%s; run stopped (%s)\n%s", failure["stage"], " on what a peer sent it (no stage "
+                  "failed on its own)" if failure.get("upstream") else "", self.run_dir, failure["error"])
         return 1
 
 

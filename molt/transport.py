@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from molt.schema import schema_diff
 
 DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK = b"D", b"E", b"X", b"B", b"H", b"C", b"A"
 _KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK}
+logger = logging.getLogger(__name__)
 END_ACK_TIMEOUT_S = 30.0  # also a stream edge's linger; reached only while a consumer has not yet read the end
 EdgeKind = Literal["stream", "keyed", "broadcast"]
 
@@ -102,6 +104,7 @@ class EdgeSpec:
     hwm: int = 64
     ready_timeout_s: float = 120.0
     curve: str | None = None
+    max_message_bytes: int = 1 << 30
 
 
 class SendBuffers:
@@ -147,27 +150,43 @@ def encode_batch(batch: pa.RecordBatch, buffers: SendBuffers | None = None) -> p
 
 
 def decode_batch(payload: Any, schema: pa.Schema, where: str) -> pa.RecordBatch:
-    """Read one batch from IPC bytes without copying and check its schema.
+    """Read one batch from IPC bytes without copying, validate it fully (every buffer against
+    the schema) and check its schema against the edge's.
 
     Raises:
-        ProtocolError: truncated or corrupt bytes, or a schema that differs from the
-            edge's (naming ``where`` and the columns).
+        ProtocolError: truncated, corrupt or inconsistent bytes, or a schema that differs from
+            the edge's (naming ``where`` and the columns).
     """
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(payload))
         batch = reader.read_next_batch()
-    except (pa.ArrowInvalid, StopIteration, OSError) as e:
+        batch.validate(full=True)  # offsets, lengths and UTF-8 against the buffers: a lie could crash a reader
+        diff = schema_diff(schema, batch.schema)  # names that are not UTF-8 raise here
+    except (pa.ArrowException, StopIteration, OSError, ValueError) as e:  # ArrowNotImplementedError too
         raise ProtocolError(f"{where}: undecodable Arrow payload ({len(payload)} bytes): {e}") from None
-    if diff := schema_diff(schema, batch.schema):
+    if diff:
         raise ProtocolError(f"{where}: batch schema differs from the edge's: {diff}")
     return batch
 
 
-def split_frames(frames: list[Any], where: str) -> tuple[bytes, Any]:
+def control_payload(payload: Any, field: str, where: str) -> Any:
+    """``field`` of a JSON control payload (an error's, a barrier's, a hello's).
+
+    Raises:
+        ProtocolError: not UTF-8 JSON, or without ``field`` (naming ``where``).
+    """
+    try:
+        return json.loads(bytes(payload))[field]
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"{where}: malformed control payload ({type(e).__name__}: {e}): "
+                            f"{bytes(payload)[:80]!r}") from None
+
+
+def split_frames(frames: list[Any], where: str, max_bytes: int | None = None) -> tuple[bytes, Any]:
     """Split a message into (kind, payload buffer).
 
     Raises:
-        ProtocolError: wrong frame count or unknown kind byte.
+        ProtocolError: wrong frame count, unknown kind byte, or a payload over ``max_bytes``.
     """
     if len(frames) != 2:
         raise ProtocolError(f"{where}: expected 2 frames [kind, payload], got {len(frames)}")
@@ -176,6 +195,9 @@ def split_frames(frames: list[Any], where: str) -> tuple[bytes, Any]:
         raise ProtocolError(f"{where}: unknown message kind {kind!r}; expected one of "
                             f"{sorted(k.decode() for k in _KINDS)}")
     payload = frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise ProtocolError(f"{where}: a message of {len(payload)} bytes, over the edge's limit of {max_bytes} "
+                            "(edges[].max_message_mib)")
     return kind, payload
 
 
@@ -211,6 +233,7 @@ class OutputEdge:
         self.sock.bind(endpoint)
         self.credits: dict[str, int] = {}
         self.acked: set[str] = set()  # consumers that have read this producer's end
+        self.strangers: set[str] = set()  # identities that sent something and are no consumer (logged once)
         self.latest: list[Any] | None = None
         self._rr = 0
         self._responder: asyncio.Task[None] | None = None
@@ -249,12 +272,20 @@ class OutputEdge:
             return
         while await self.sock.poll(0):
             ident, kind_frame, payload = await self._recv3()
-            peer = ident.decode()
+            peer = ident.decode(errors="replace")
+            if peer not in self.spec.consumers:  # not a consumer of this edge: never served, never fatal
+                if peer not in self.strangers:
+                    self.strangers.add(peer)
+                    logger.warning("%s: ignoring messages from %r, which is not a consumer of this edge", self.where,
+                                   peer)
+                continue
             if kind_frame == HELLO:
-                self.credits[peer] = int(json.loads(bytes(payload))["credits"])
+                self.credits[peer] = int(control_payload(payload, "credits", f"{self.where}: hello of {peer!r}"))
                 if self.spec.kind == "broadcast" and self.latest is not None:
                     await self.sock.send_multipart([ident, *self.latest], copy=False)
             elif kind_frame == CREDIT:
+                if not bytes(payload).isdigit():
+                    raise ProtocolError(f"{self.where}: consumer {peer!r} sent credit {bytes(payload)[:20]!r}")
                 self.credits[peer] = self.credits.get(peer, 0) + int(bytes(payload))
             elif kind_frame == END_ACK:
                 self.acked.add(peer)
@@ -276,10 +307,10 @@ class OutputEdge:
         return True
 
     async def _recv3(self) -> tuple[bytes, bytes, Any]:
+        """[identity, kind, payload]; another shape comes back with kind b"?" (a stranger's, or refused)."""
         frames = await self.sock.recv_multipart(copy=False)
-        if len(frames) != 3:
-            raise ProtocolError(f"{self.where}: expected [identity, kind, payload], "
-                                f"got {len(frames)} frames")
+        if len(frames) != 3 or len(frames[2]) > 4096:  # consumers send hellos, credits and acks: small
+            return frames[0].bytes, b"?", b""
         return frames[0].bytes, frames[1].bytes, frames[2].buffer
 
     async def _take_credit(self, consumer: str | None) -> str:

@@ -39,7 +39,7 @@ from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
 from molt.ports import InputPort, OutputPort
-from molt.transport import Barrier, ConsumerGoneError, EdgeSpec, UpstreamError, decode_batch, encode_batch
+from molt.transport import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
@@ -55,7 +55,8 @@ def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: i
         endpoints, consumers, replica = (endpoints[replica],), (consumers[replica],), 0
     assert edge.schema is not None
     spec = EdgeSpec(edge_name, edge.cfg.kind, endpoints, consumers, edge.schema, edge.cfg.key,
-                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"))
+                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
+                    edge.cfg.max_message_mib << 20)
     return spec, replica
 
 
@@ -248,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_process(pipe, wiring, stage_id, int(replica), run_path, rank, world_size))
     except BaseException as exc:  # noqa: BLE001 - report any failure to the runner
         text = "".join(traceback.format_exception(exc))
-        # upstream: caused by another stage (its error frame, or a consumer that went away)
-        write_status(run_path, name, "failed", text, upstream=isinstance(exc, (UpstreamError, ConsumerGoneError)))
+        # upstream: caused by another (a stage's error frame, a consumer that went away, a peer's malformed message)
+        write_status(run_path, name, "failed", text, upstream=isinstance(exc, (UpstreamError, ProtocolError)))
         print(text, file=sys.stderr, flush=True)
         return 1
     write_status(run_path, name, "done")

@@ -1,6 +1,10 @@
 """Edges over real loopback sockets (ipc:// in a temp dir, and inproc://)."""
 
 import asyncio
+import sys
+import subprocess
+import ast
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -261,6 +265,11 @@ MALFORMED = [
     ([DATA, encode_batch(pa.RecordBatch.from_pydict({"y": [1]}))], r"schema differs from the edge's: "
      r"missing columns \['prompt_id', 'x'\]; unexpected columns \['y'\]"),
     ([b"H", b"{}"], r"producer sent kind b'H'"),
+    ([b"X", b'{"stage": "\xff"}'], r"malformed control payload \(UnicodeDecodeError"),
+    ([b"X", b'{"stage": "s"}'], r"malformed control payload \(KeyError"),
+    ([b"B", b"not json"], r"malformed control payload \(JSONDecodeError"),
+    ([b"B", b'{"step": "7"}'], r"barrier step '7' is not an integer"),
+    ([DATA, b"x" * 2000], r"a message of 2000 bytes, over the edge's limit of 1024"),
 ]
 
 
@@ -272,7 +281,7 @@ def test_malformed_frames_raise_protocol_errors_naming_the_edge(zctx, tmp_path, 
 
     async def main():
         ctx = zctx
-        s = spec(tmp_path)
+        s = dataclasses.replace(spec(tmp_path), max_message_bytes=1024)
         router = ctx.socket(zmq.ROUTER)
         router.bind(s.endpoints[0])
         inp = InputPort(ctx, "in", [s], "c.0")
@@ -287,6 +296,72 @@ def test_malformed_frames_raise_protocol_errors_naming_the_edge(zctx, tmp_path, 
 
     with pytest.raises(ProtocolError, match=r"edge p.out->c.in .*" + error):
         asyncio.run(main())
+
+
+FUZZ = """
+import random, sys
+import pyarrow as pa
+from molt.transport import ProtocolError, decode_batch, encode_batch
+schema = pa.schema([("prompt_id", pa.string()), ("token_ids", pa.list_(pa.int32())), ("x", pa.float32())])
+good = encode_batch(pa.RecordBatch.from_pydict(
+    {"prompt_id": ["a", "bb", "ccc"] * 20, "token_ids": [[1, 2], [], [3, 4, 5]] * 20, "x": [0.5] * 60},
+    schema=schema)).to_pybytes()
+rng, outcomes = random.Random(int(sys.argv[1])), {"refused": 0, "read": 0}
+for _ in range(int(sys.argv[2])):
+    data = bytearray(good)
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    try:
+        b = decode_batch(bytes(data), schema, "fuzz")
+    except ProtocolError:
+        outcomes["refused"] += 1
+        continue
+    b.to_pylist()  # what a stage does with it: every value read
+    outcomes["read"] += 1
+print(outcomes)
+"""
+
+
+def test_corrupted_batch_buffers_are_refused_or_read_and_never_crash_the_reader():
+    # offsets, lengths and UTF-8 that lie about the buffers: without full validation, reading can segfault
+    out = subprocess.run([sys.executable, "-c", FUZZ, "0", "3000"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"the reader crashed (exit {out.returncode}): {out.stderr[-2000:]}"
+    outcomes = ast.literal_eval(out.stdout.strip())
+    assert outcomes["refused"] > 100 and sum(outcomes.values()) == 3000, outcomes
+
+
+def test_a_producer_ignores_a_stranger_and_names_a_consumer_that_sends_garbage(zctx, tmp_path, caplog):
+    async def main():
+        s = spec(tmp_path)
+        out, inp = await connected(zctx, s)
+        stranger = zctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.IDENTITY, b"intruder")
+        stranger.connect(s.endpoints[0])
+        for frames in ([b"H", b"\xff"], [b"C", b"-5"], [b"Z"], [b"H", b'{"credits": 99}']):
+            await stranger.send_multipart(frames)
+        await asyncio.sleep(0.2)
+        await out.send(batch(["a", "b"]))
+        await out.send_end()
+        got = await _drain(inp)
+        assert [r["prompt_id"] for b in got for r in b.to_pylist()] == ["a", "b"], "the consumer gets all"
+        assert "intruder" not in out.edges[0].credits, "a stranger is never served"
+        stranger.close(linger=0), inp.close(), out.close()
+        other = dataclasses.replace(s, endpoints=(f"ipc://{tmp_path}/other",))
+        producer = OutputPort(zctx, "out", [(other, 0)], "p.0")
+        liar = zctx.socket(zmq.DEALER)  # the consumer's identity, with a malformed hello
+        liar.setsockopt(zmq.IDENTITY, b"c.0")
+        liar.connect(other.endpoints[0])
+        await liar.send_multipart([b"H", b"\xff"])
+        try:
+            await producer.wait_ready()
+        finally:
+            liar.close(linger=0), producer.close()
+
+    with pytest.raises(ProtocolError, match=r"edge p.out->c.in \(producer p.0\): hello of 'c.0': malformed control "
+                                            r"payload \(UnicodeDecodeError"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records].count(
+        "edge p.out->c.in (producer p.0): ignoring messages from 'intruder', which is not a consumer of this edge") == 1
 
 
 def test_received_batches_share_the_message_memory(zctx, tmp_path):
