@@ -358,6 +358,7 @@ def _check_graph(pipe: Pipeline) -> None:
                                  f"edge {e.name}; it carries {e.schema.names}")
     for sid in pipe.stages:  # feedback inputs, now that every schema is known
         _check_inputs(pipe, sid)
+    _check_group_filters(pipe)
     check_placement(pipe)
 
 
@@ -418,3 +419,22 @@ def _check_colocation(pipe: Pipeline, sid: str, n: StageNode) -> None:
     if host.world_size > 1 and external:
         raise ValueError(f"{where}: a stage fused into a torchrun group may only receive from "
                          f"its host; got {external}")
+
+
+def _check_group_filters(pipe: Pipeline) -> None:
+    """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
+    bound (``max_staleness`` set): it counts a dropped group as trained and waits for a version that
+    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group)."""
+    for sid, n in pipe.stages.items():
+        if not n.cls.drops_groups:
+            continue
+        upstream: set[str] = set()
+        frontier = {sid}
+        while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
+            upstream |= frontier
+        for up in sorted(upstream):
+            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is not None:
+                raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which "
+                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a dropped group as trained and "
+                                 "would wait for a version that never comes; hint: max_staleness: null on "
+                                 f"stages.{up} (the train stage's own check still refuses stale tokens)")

@@ -111,6 +111,7 @@ class Stage:
     Config: ClassVar[type[StageConfig]] = StageConfig
     inputs: ClassVar[dict[str, Port]] = {}
     outputs: ClassVar[dict[str, Port]] = {}
+    drops_groups: ClassVar[bool] = False  # a filter of whole groups (molt.pipeline checks what is upstream)
 
     def __init__(self, config: StageConfig, ctx: StageContext) -> None:
         self.config, self.ctx = config, ctx

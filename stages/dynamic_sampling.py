@@ -5,7 +5,10 @@ group-relative estimators and so no policy gradient (DAPO, arXiv 2503.14476, §3
 dropping it keeps each optimizer step full of informative groups: the pack stage
 downstream takes a fixed number of groups per step, so it simply admits more.
 Drops are never silent: ``groups_dropped`` and ``rows_dropped`` are counted, and
-recording this stage's input edge keeps every row for inspection.
+recording this stage's input edge keeps every row for inspection. A rollout upstream
+must admit without a staleness bound (``max_staleness: null``): a bounded one admits by
+the groups it released, counting a dropped group as trained, and would wait for a
+version that never comes; the pipeline refuses that pairing when it loads.
 Example: groups with rewards [1, 0, 1, 1] and [0, 0, 0, 0] -> the first is kept.
 """
 
@@ -24,6 +27,7 @@ class DynamicSampling(Transform):
     """Keeps the rows of groups whose rewards differ; counts what it drops."""
 
     inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "rollout_id", "reward"))}
+    drops_groups = True  # so a bounded-staleness rollout upstream is refused at load (molt.pipeline)
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
         prompts = batch.column("prompt_id").to_pylist()

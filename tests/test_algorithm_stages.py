@@ -97,3 +97,20 @@ def test_shape_reward_applies_the_overlong_penalty_and_keeps_null_scores():
     out = stage(ShapeReward, max_new_tokens=16, overlong_buffer_tokens=4).process(b)
     # L=14: (12 - 14) / 4 = -0.5; L=17 > 16: -1
     assert out.column("reward").to_pylist() == [0.5, None, -1.0]
+
+
+def test_dynamic_sampling_under_a_bounded_staleness_rollout_is_refused_at_load():
+    # admission counts released groups as trained: a dropped one made max_staleness 0 wait for ever
+    import yaml
+
+    data = yaml.safe_load(open("pipelines/quickstart.yaml"))
+    data["stages"]["filter"] = {"class": "stages.dynamic_sampling.DynamicSampling"}
+    data["edges"] = [e for e in data["edges"] if e != {"from": "shape", "to": "advantage"}] + [
+        {"from": "shape", "to": "filter"}, {"from": "filter", "to": "advantage"}]
+    data["stages"]["rollout"]["config"]["max_staleness"] = 0
+    with pytest.raises(ValueError, match=r"stages.filter drops whole groups, downstream of stages.rollout, which "
+                                         r"admits groups under stages.rollout.config.max_staleness 0: .*hint: "
+                                         r"max_staleness: null on stages.rollout"):
+        Pipeline.from_spec(data)
+    data["stages"]["rollout"]["config"]["max_staleness"] = None
+    assert "filter" in Pipeline.from_spec(data).stages
