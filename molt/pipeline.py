@@ -122,6 +122,9 @@ class PipelineSpec(BaseModel):
                                    "None = generated for each run")
     ready_timeout_s: float = Field(120.0, gt=0)
     stop_timeout_s: float = Field(10.0, gt=0)
+    watchdog_s: float | None = Field(900.0, gt=0, description="stop the run when no process has written a metric "
+                                     "line for this long, reporting every process's stacks (a hung stage or "
+                                     "engine, a stopped process); null = never")
     keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")
     results: dict[str, str] = Field(default_factory=dict, description="summary.json 'results': name -> metric "
                                     "key (its latest value; counters summed; every value with its time in 'results_history'), "

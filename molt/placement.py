@@ -217,10 +217,40 @@ class Proc:
             except psutil.Error:
                 pass
 
+    def stacks(self, log_lines: int = 40) -> str:
+        """Its Molt processes' Python stacks, as text: ``py-spy dump`` where py-spy is on the PATH (any
+        process, even a stopped one), else faulthandler's (the worker dumps on SIGUSR1 into its log)."""
+        import time
+
+        workers = [p for p in [psutil.Process(self.popen.pid), *self.descendants.values()]
+                   if _is_worker(p)]
+        spy = shutil.which("py-spy")
+        out = []
+        for proc in workers:
+            with contextlib.suppress(psutil.Error, OSError, subprocess.SubprocessError):
+                state = f"process {proc.pid} ({proc.status()})"
+                if spy:
+                    dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
+                                          timeout=20)
+                    out.append(f"{state}, py-spy dump:\n{dump.stdout or dump.stderr}")
+                else:
+                    proc.send_signal(signal.SIGUSR1)
+                    time.sleep(1.0)
+                    tail = self.log_path.read_text(errors="replace").splitlines()[-log_lines:]
+                    out.append(f"{state}, its log's last {log_lines} lines (faulthandler's stacks):\n" + "\n".join(tail))
+        return "\n".join(out) or f"process {self.popen.pid}: no Molt worker process left to dump"
+
     def failure(self) -> str:
         code = self.popen.returncode
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return f"process {self.popen.pid} {how}; see {self.log_path}"
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a stage process (``python -m molt.worker``, which dumps its stacks on SIGUSR1)."""
+    with contextlib.suppress(psutil.Error):
+        return "molt.worker" in proc.cmdline()
+    return False
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

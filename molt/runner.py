@@ -104,7 +104,7 @@ class Runner:
         self.procs: list[Any] = []  # molt.placement.Proc, or the Ray backend's RayProc
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
-        self.start_s = time.monotonic()
+        self.start_s, self.start_unix = time.monotonic(), time.time()
         self.scratch: Path | None = None
         self.backend: Any = None
 
@@ -196,9 +196,23 @@ class Runner:
             if any(c not in (None, 0) for c in codes):
                 self.failure = self._root_cause()
                 return
-            if all(c == 0 for c in codes):
+            if all(c == 0 for c in codes) or self._stalled():
                 return
             time.sleep(0.2)
+
+    def _stalled(self) -> bool:
+        """The watchdog: True (and ``failure`` set, with every running process's stacks and log tail) when
+        no process has written a metric line for ``watchdog_s`` (a hung stage or engine, a stopped process)."""
+        limit = self.pipe.spec.watchdog_s
+        files = list((self.run_dir / "metrics").glob("*.jsonl"))
+        quiet = time.time() - max([f.stat().st_mtime for f in files] + [self.start_unix])
+        if limit is None or quiet < limit:
+            return False
+        log.error("no progress for %.0f s (watchdog_s %g): dumping every process's stacks, then stopping", quiet, limit)
+        report = "\n\n".join(f"{p.name}:\n{p.stacks()}" for p in self.procs if p.poll() is None)
+        self.failure = {"stage": "watchdog", "error": f"no process wrote a metric line for {quiet:.0f} s "
+                        f"(watchdog_s {limit:g}); what each was doing:\n\n{report}"}
+        return True
 
     def run(self) -> int:
         """start + supervise + stop; returns 0, 1 (a stage failed) or 130 (interrupted).
@@ -206,7 +220,7 @@ class Runner:
         SIGINT (Ctrl-C) arrives as KeyboardInterrupt; ``molt run`` turns SIGTERM into
         one too. Either way every process is stopped and the summary is written.
         """
-        self.start_s = time.monotonic()
+        self.start_s, self.start_unix = time.monotonic(), time.time()
         with Progress(self.pipe, self.run_dir, self.live) as progress:
             try:
                 self.start()

@@ -21,8 +21,10 @@ On failure it sends an error frame on every output, writes
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -239,6 +241,7 @@ def write_status(run_dir: Path, name: str, state: str, error: str = "", upstream
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack into the log (runner's watchdog)
     run_dir, stage_id, replica = (argv or sys.argv[1:])[:3]
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_path = Path(run_dir)

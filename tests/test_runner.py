@@ -1,6 +1,7 @@
 """The runner through real processes and sockets: drain, failures, Ctrl-C, groups, replay."""
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -177,6 +178,34 @@ def test_a_killed_molt_run_leaves_no_process_and_no_scratch_folder_behind(tmp_pa
         time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not scratch.exists()
+
+
+def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_process_was_doing(tmp_path, no_orphans):
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 600}}), num_groups=8)
+    spec["watchdog_s"] = 4
+    start = time.monotonic()
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 1 and time.monotonic() - start < 60
+    assert summary["failed_stage"] == "watchdog"
+    error = summary["error"]
+    assert error.startswith("no process wrote a metric line for ") and "(watchdog_s 4); what each was doing" in error
+    stacks = error.split("slow.0:")[1]  # py-spy's "Sleepy.process (doubles/stages.py:65)" or faulthandler's
+    assert "stages.py" in stacks and "process" in stacks, error[-3000:]  # 'File ".../stages.py", line 65 in process'
+
+
+def test_without_py_spy_the_stacks_come_from_faulthandler_in_the_log(tmp_path, monkeypatch):
+    from molt.placement import Proc
+
+    code = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, all_threads=True); time.sleep(60)"
+    proc = Proc.start("w", [sys.executable, "-c", code, "molt.worker"], dict(os.environ), None, tmp_path / "log")
+    try:
+        time.sleep(1.0)
+        monkeypatch.setattr(shutil, "which", lambda name: None)
+        text = proc.stacks()
+        assert f"process {proc.popen.pid} (sleeping), its log's last 40 lines" in text
+        assert 'File "<string>", line 1 in <module>' in text and "Current thread" in text
+    finally:
+        proc.kill()
 
 
 def test_a_stop_signal_while_processes_start_is_held_until_they_are_recorded(tmp_path):
