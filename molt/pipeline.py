@@ -14,9 +14,11 @@ A pipeline file::
 
 Everything is checked before any process starts: unknown keys and wrong types
 (with the file, the dotted path and the nearest valid key), stage ids, classes,
-each stage's typed config, the ``policy:`` facts the stages share (molt.policy), dangling edges, undeclared cycles (only edges marked
-``feedback: true`` may close one) and the columns each edge carries against the
-columns each consumer reads. YAML loading, ``--set`` and error wording live in
+each stage's typed config, the ``policy:`` facts the stages share (molt.policy),
+dangling edges, undeclared cycles (only edges marked ``feedback: true`` may close
+one), the columns each edge carries against the columns each consumer reads, and
+group filters under a staleness bound. `Pipeline.preflight` (datasets) runs once
+in ``molt run`` and ``molt sweep``. YAML loading, ``--set`` and error wording live in
 :mod:`molt.config`.
 """
 
@@ -438,6 +440,6 @@ def _check_group_filters(pipe: Pipeline) -> None:
         for up in sorted(upstream):
             if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is not None:
                 raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which "
-                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a dropped group as trained and "
-                                 "would wait for a version that never comes; hint: max_staleness: null on "
-                                 f"stages.{up} (the train stage's own check still refuses stale tokens)")
+                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a "
+                                 "dropped group as trained and would wait for a version that never comes; hint: "
+                                 f"max_staleness: null on stages.{up} (the train stage still refuses stale tokens)")

@@ -222,12 +222,11 @@ class Proc:
         process, even a stopped one), else faulthandler's (the worker dumps on SIGUSR1 into its log)."""
         import time
 
-        workers = [p for p in [psutil.Process(self.popen.pid), *self.descendants.values()]
-                   if _is_worker(p)]
-        spy = shutil.which("py-spy")
-        out = []
-        for proc in workers:
+        spy, out = shutil.which("py-spy"), []
+        for proc in [psutil.Process(self.popen.pid) if self.poll() is None else None, *self.descendants.values()]:
             with contextlib.suppress(psutil.Error, OSError, subprocess.SubprocessError):
+                if proc is None or not _is_worker(proc):
+                    continue
                 state = f"process {proc.pid} ({proc.status()})"
                 if spy:
                     dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
@@ -236,8 +235,8 @@ class Proc:
                 else:
                     proc.send_signal(signal.SIGUSR1)
                     time.sleep(1.0)
-                    tail = self.log_path.read_text(errors="replace").splitlines()[-log_lines:]
-                    out.append(f"{state}, its log's last {log_lines} lines (faulthandler's stacks):\n" + "\n".join(tail))
+                    tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-log_lines:])
+                    out.append(f"{state}, its log's last {log_lines} lines (faulthandler's stacks):\n{tail}")
         return "\n".join(out) or f"process {self.popen.pid}: no Molt worker process left to dump"
 
     def failure(self) -> str:

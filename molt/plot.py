@@ -72,8 +72,8 @@ def plot_run(run_dir: Path) -> list[Path]:
     out = Path(run_dir) / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    for name, draw in (("reward", _reward), ("eval", _eval), ("logprob_diff", _logprob_diff),
-                       ("collapse", _collapse), ("staleness", _staleness), ("time", _time), ("expert_load", _expert_load)):
+    for name, draw in (("reward", _reward), ("eval", _eval), ("logprob_diff", _logprob_diff), ("collapse", _collapse),
+                       ("staleness", _staleness), ("time", _time), ("expert_load", _expert_load)):
         figure = draw(series)
         if figure is not None:
             figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")

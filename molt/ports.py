@@ -100,8 +100,8 @@ class InputPort:
             self.poller.unregister(sock)
             self._release_if_aligned()
         elif kind == ERROR:
-            raise UpstreamError(str(control_payload(payload, "stage", where)), str(control_payload(payload, "error",
-                                                                                                    where)))
+            stage, error = (str(control_payload(payload, key, where)) for key in ("stage", "error"))
+            raise UpstreamError(stage, error)
         elif kind == BARRIER:
             step = control_payload(payload, "step", where)
             if not isinstance(step, int):

@@ -1,8 +1,8 @@
 """Live progress of a run: merges per-replica metrics and draws one table per refresh.
 
 The runner calls :meth:`Progress.update` every poll; it appends new lines of every
-``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` (a resumed run: those it lacks) and keeps, per metric key,
-the latest value of each replica, combined across replicas by the reduction the
+``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` (a resumed run: those it lacks)
+and keeps, per metric key, the latest value of each replica, combined across replicas by the reduction the
 stage declared (``sum`` for counters such as ``rows_out``; ``last`` by default).
 On a terminal it renders a rich table (stage, rows in/out, rows/s, latest metrics);
 elsewhere it logs a line every ``log_every_s`` seconds. A stage whose latest step raised

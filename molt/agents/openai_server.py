@@ -18,7 +18,8 @@ Sampling is the rollout stage's (temperature, max_new_tokens); a request asking 
 another temperature or ``n > 1`` gets HTTP 400, so nothing the agent sees is sampled
 differently from what is recorded. Every other request option is applied (``max_tokens``,
 ``model`` echoed, ``user`` ignored as the API defines it) or refused with HTTP 400 naming it,
-unless its value is "off" (``top_k`` -1 or 0, ``top_p`` 1, ``stream`` false, ...: `_OFF`). ``max_turns`` requests per rollout, then HTTP 400.
+unless its value is "off" (``top_k`` -1 or 0, ``top_p`` 1, ``stream`` false, ...: `_OFF`).
+``max_turns`` requests per rollout, then HTTP 400.
 """
 
 from __future__ import annotations
