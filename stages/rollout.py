@@ -1,21 +1,16 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON: ``messages``, ``answer``, ...) come in on ``in``; each becomes
-``group_size`` concurrent episodes of the ``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code,
-molt.agents.openai_server) on one engine (vLLM by default). Token ids, logprobs and versions go from
-the engine to the record untouched; ``metadata.completion_text`` (decoded) is for graders.
-
-Admission control (DESIGN §4; molt.agents.admission): groups leave in the order they started; the i-th to
-leave (step i // groups_per_step) starts only at engine version >= i // groups_per_step - max_staleness.
-
-Refit: with ``weights_input: true`` each weight-version record on ``weights`` is loaded (in-flight sequences
-continue on the new version) and verified (apply_weight_record); a failure stops the run. Streamed ones
-(``engine.transport: nccl``) are taken until the broadcast ends, after ``out``. Checkpoint: admission
-counters and the engine's version, which a resumed rollout waits for.
-Failures: an env or agent that raises, or a prompt over the context window, fails its rollout (counted in
-``rollouts_failed``, logged, not emitted; ``group_size`` stays the number started); a group with none left is
-lost (``groups_lost``), the next takes its place. If every rollout fails (checked once ``groups_per_step``
-groups are lost, and at the end), or the engine fails, the stage fails.
+Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``group_size`` concurrent episodes
+of the ``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code, molt.agents.openai_server) on one engine
+(vLLM by default); token ids, logprobs and versions go from the engine to the record untouched. Groups leave
+in the order they started, the i-th only once the engine is at version >= i // groups_per_step - max_staleness
+(DESIGN §4, molt.agents.admission). With ``weights_input: true`` each weight record on ``weights`` is loaded
+and verified (a failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``.
+Checkpoint: admission counters and the engine's version, which a resumed rollout waits for. A rollout whose env
+or agent raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none
+left is lost (``groups_lost``) and the next takes its place; if none succeeds (checked once a step's worth of
+groups is lost, and at the end) the stage fails. A dead engine is restarted, its groups run again
+(molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from molt.agents import ChatServer, ChatTemplate, Env, Episode, SingleTurn, run_
 from molt.agents.admission import GroupAdmission
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
+from molt.engines.restart import EngineRestarter, RestartConfig
 from molt.engines.weights import refit_from
 from molt.models import resolve_model
 from molt.config import import_class
@@ -41,9 +37,8 @@ from molt.stage import Port, Service, StageConfig
 from molt.tasks import read_prompts
 from molt.transport import Barrier
 
-WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
-          "rollout_logprobs", "policy_version", "group_size", "finish_reason", "metadata",
-          "images", "image_token_positions")  # the images: null for a text-only model
+WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
+          "policy_version", "group_size", "finish_reason", "metadata", "images", "image_token_positions")
 
 
 class Rollout(Service):
@@ -63,6 +58,7 @@ class Rollout(Service):
         max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
         groups_per_step: int = Field(8, ge=1, description="groups the trainer takes per step")
         weights_input: bool = Field(False, description="listen for new weights on 'weights'")
+        engine_restarts: RestartConfig = Field(default_factory=RestartConfig, description="molt.engines.restart")
 
     config: Config
 
@@ -85,14 +81,17 @@ class Rollout(Service):
         self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(self.model_dir)
-        self.engine = make_engine(c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
+        self.restarter = EngineRestarter(c.engine_restarts, lambda: make_engine(
+            c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica)), self.log, self.metrics)
+        self.engine = self.restarter.engine
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
+        self.restarter.holders = [self, *filter(None, [self.server])]  # they take a restarted engine
         self.schema = make_schema(resolve_fields(self.ports(c)[1]["out"].writes, "Rollout"), "trajectory")
         self.admission: GroupAdmission[pa.RecordBatch] = GroupAdmission(c.groups_per_step, c.max_staleness)
         self.resume_version, self.first_failure = 0, ""  # version to wait for; the first rollout error
-        self.first_admit_s: float | None = None
+        self.first_admit_s: float | None = None  # when the first group started (generation throughput)
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
 
@@ -132,11 +131,10 @@ class Rollout(Service):
         if self.config.weights_input and self.engine.streams_weights:
             await self.end("out")  # 4) streamed refits wait for every engine: take them until the trainer ends
             while (item := await self.recv("weights")) is not None:
-                await self._refit_if_new_weights(item)
+                await self._refit_if_new_weights(item=item)
 
     def _check_failures(self, end: bool = False) -> None:
-        """Fail when rollouts failed and none succeeded (once a step's worth of groups is lost, or at the
-        end of the prompts); at the end, log the generation throughput."""
+        """Fail when no rollout succeeded (after a step's worth of lost groups, or at the end); log throughput."""
         counts, lost = self.metrics.counters, self.admission.num_lost
         if self.first_failure and not counts.get("rows_out") and (end or lost >= self.config.groups_per_step):
             raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}, {lost} groups lost), e.g. "
@@ -147,8 +145,7 @@ class Rollout(Service):
                               "generated_tokens_per_s": counts.get("tokens_generated", 0.0) / max(seconds, 1e-9)})
 
     def _admissible(self) -> bool:
-        version = self.engine.policy_version
-        return version >= self.resume_version and self.admission.admissible(version)
+        return (version := self.engine.policy_version) >= self.resume_version and self.admission.admissible(version)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.admission.state_dict(), "policy_version": self.engine.policy_version}
@@ -175,8 +172,9 @@ class Rollout(Service):
     async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> tuple[int, pa.RecordBatch | None]:
         """Run ``group_size`` episodes of one prompt; (index, rows of the successful ones)."""
         start = time.monotonic()
-        rows, failed = await run_group(lambda rid: self._episode(task, rid), prompt_id, task, index,
-                                       self.config.group_size, "score" in self.schema.names)
+        rows, failed = await self.restarter.retrying(  # a dead engine: restarted, the whole group run again
+            lambda: run_group(lambda rid: self._episode(task, rid), prompt_id, task, index, self.config.group_size,
+                              "score" in self.schema.names), self._refit_if_new_weights)
         for rid, error in failed:
             self.log.warning("rollout %s failed: %s", rid, error)
             self.first_failure = self.first_failure or f"rollout {rid}: {error}"
@@ -191,10 +189,11 @@ class Rollout(Service):
         return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
                                  self.config.max_turns, self.config.engine.max_model_len)
 
-    async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
-        port = self.ctx.inputs.get("weights")
-        if port is not None and (seconds := await refit_from(self.engine, port, item)) is not None:
-            self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
+    async def _refit_if_new_weights(self, engine: Any = None, item: pa.RecordBatch | Barrier | None = None) -> None:
+        port, engine = self.ctx.inputs.get("weights"), engine or self.engine
+        if port is not None and (done := await refit_from(engine, port, item)) is not None:
+            self.restarter.weights = done[1]  # what a restarted engine loads again
+            self.metrics.log({"refit_seconds": done[0], "policy_version": engine.policy_version})
 
     def close(self) -> None:
         for part in (p for p in (getattr(self, "server", None), getattr(self, "engine", None)) if p is not None):

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from molt.agents import ChatTemplate, run_episode
 from molt.engines.base import SamplingParams
@@ -318,3 +319,93 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
     assert log.index("end out") < log.index("recv weights"), "out ends before the last versions are taken"
     assert log.count("recv weights") == 3 and stage.engine.received == [1, 2] and stage.engine.policy_version == 2
     assert log.count("send out") == 2, "both groups sent"
+
+
+class Dying(TransformersEngine):
+    """An engine whose process dies after ``die_after`` requests: those in flight and all later ones fail."""
+
+    def __init__(self, *a, die_after=3, **k):
+        super().__init__(*a, **k)
+        self.die_after, self.requests = die_after, 0
+
+    async def generate(self, request_id, prompt_token_ids, params, images=()):
+        from molt.engines.base import EngineDeadError
+
+        self.requests += 1
+        await asyncio.sleep(0.01)  # the others are in flight when it dies
+        if self.requests > self.die_after:
+            raise EngineDeadError(f"request {request_id!r}: the engine core died (a test double)")
+        return await super().generate(request_id, prompt_token_ids, params, images)
+
+
+class Weights:
+    """A broadcast input holding one weight record (as the trainer's latest publication)."""
+
+    def __init__(self, record):
+        self.record = record
+
+    async def drain_nowait(self):
+        pass
+
+    def latest(self):
+        record, self.record = self.record, None
+        return record
+
+
+def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts, deaths=1):
+    import pyarrow as pa
+
+    import stages.rollout as rollout_stage
+    from molt.engines.weights import publish_weights
+    from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
+    from molt.stage import StageContext
+    from molt.train.model import export_names, load_policy
+
+    started = []
+
+    def make_engine(config, model_dir, where, replica, seed):
+        started.append(Dying(model_dir, die_after=3) if len(started) < deaths else TransformersEngine(model_dir))
+        return started[-1]
+
+    monkeypatch.setattr(rollout_stage, "make_engine", make_engine)
+    model = load_policy(tiny_chat_model, temperature=1.0)
+    with torch.no_grad():
+        model.lm.model.norm.weight.mul_(1.5)
+    state = model.state_dict()
+    record = batch_from_rows([publish_weights({hf: state[name] for name, hf in export_names(model).items()},
+                                              tmp_path / "v1.safetensors", 1, None)], WEIGHT_VERSION_SCHEMA)
+    prompts = pa.record_batch({"prompt_id": [f"p{i}" for i in range(4)],
+                               "metadata": [json.dumps({"prompt": f"{i}+{i}?"}) for i in range(4)]})
+    sent = []
+    outbox = Outbox([])
+    outbox.send = lambda batch: asyncio.sleep(0, sent.append(batch))
+    config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,
+                                          max_new_tokens=3, weights_input=True, groups_per_step=2, max_staleness=1,
+                                          max_concurrent_groups=4, engine_restarts={"max": max_restarts})
+    ctx = StageContext("rollout", inputs={"in": Inbox([prompts, None], [], "in"), "weights": Weights(record)},
+                       outputs={"out": outbox})
+    stage = rollout_stage.Rollout(config, ctx)
+    stage.setup()
+    try:
+        asyncio.run(stage.run())
+    finally:
+        stage.close()
+    return stage, started, [r for b in sent for r in b.to_pylist()]
+
+
+def test_a_dead_engine_is_restarted_at_its_version_and_its_groups_run_again(tiny_chat_model, tmp_path, monkeypatch):
+    stage, started, rows = rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=2)
+    assert len(started) == 2 and started[0].requests > 3, "the first engine died, a second took over"
+    assert started[1].policy_version == 1, "brought to the dead engine's version by a verified refit"
+    assert sorted(r["sample_id"] for r in rows) == sorted({r["sample_id"] for r in rows}) and len(rows) == 8, \
+        "every group sent once, whole: nothing lost, nothing twice"
+    counters = stage.metrics.counters
+    assert counters["engine_restarts"] == 1 and counters["groups_retried"] >= 1
+    generated = [v for r in rows for v, m in zip(r["policy_version"], r["loss_mask"]) if m]
+    assert generated and set(generated) == {1}, "every token of the new engine carries version 1"
+
+
+def test_an_engine_dying_more_often_than_allowed_fails_the_rollout_naming_why(tiny_chat_model, tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match=r"the engine died and is not restarted \(1 deaths within 600 s, over "
+                                           r"engine_restarts.max 0\): request .*the engine core died"):
+        rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=0)

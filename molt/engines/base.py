@@ -130,6 +130,11 @@ def check_prompt(request_id: str, prompt_token_ids: list[int]) -> None:
                          "prompts include at least a BOS or chat-template token")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's process died (killed, crashed, out of memory): every request in flight and
+    every later one fails with it; a rollout restarts the engine (molt.engines.restart)."""
+
+
 class Engine(abc.ABC):
     """An inference engine: async, token-in/token-out, with live weight loads.
 

@@ -51,6 +51,7 @@ import numpy as np
 from safetensors import safe_open
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
+from molt.engines.base import EngineDeadError as MoltEngineDead
 from molt.engines.transport import check_covers
 from molt.engines.weights import check_weights_file, file_digests
 from molt.multimodal import VisionProcessor, decode_images
@@ -183,8 +184,8 @@ class VLLMEngine(Engine):
             async for output in llm.generate(prompt, self._vllm_params(params), request_id):
                 final = output
         except EngineDeadError as error:
-            raise RuntimeError(f"request {request_id!r}: the vLLM engine core died; see the "
-                               "EngineCore lines of the log for its traceback") from error
+            raise MoltEngineDead(f"request {request_id!r}: the vLLM engine core died; see the "
+                                 "EngineCore lines of the log for its traceback") from error
         finally:
             self._in_flight.discard(request_id)
         if images and final is not None and list(final.prompt_token_ids or ()) != list(prompt_token_ids):

@@ -199,10 +199,10 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
     return True
 
 
-async def refit_from(engine: Engine, port: Any, item: Any = None) -> float | None:
+async def refit_from(engine: Engine, port: Any, item: Any = None) -> tuple[float, pa.RecordBatch] | None:
     """`apply_weight_record` of ``item`` if it is a record batch, else (``item`` None) of the
-    newest one waiting on broadcast input ``port`` (molt.ports.InputPort); the seconds it took,
-    or None if there was nothing newer to apply.
+    newest one waiting on broadcast input ``port`` (molt.ports.InputPort); the seconds it took
+    and the record batch applied, or None if there was nothing newer to apply.
 
     The record's file is pinned first (`pinned`): a trainer that keeps few versions may delete
     it once a newer one is written; then the newest record waiting on ``port`` is applied
@@ -220,7 +220,7 @@ async def refit_from(engine: Engine, port: Any, item: Any = None) -> float | Non
         try:
             with pinned(record) as kept:
                 applied = await apply_weight_record(engine, kept)
-            return time.monotonic() - start if applied else None
+            return (time.monotonic() - start, item) if applied else None
         except FileNotFoundError:
             await port.drain_nowait()
             newer = port.latest()
