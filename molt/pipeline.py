@@ -12,20 +12,17 @@ A pipeline file::
       - {from: source, to: shape, kind: keyed}
       - {from: shape, to: sink, record: true}
 
-Everything is checked before any process starts: unknown keys and wrong types
-(with the file, the dotted path and the nearest valid key), stage ids, classes,
-each stage's typed config, the ``policy:`` facts the stages share (molt.policy),
-dangling edges, undeclared cycles (only edges marked ``feedback: true`` may close
-one), the columns each edge carries against the columns each consumer reads, and
-group filters under a staleness bound. `Pipeline.preflight` (datasets) runs once
-in ``molt run`` and ``molt sweep``. YAML loading, ``--set`` and error wording live in
+Everything is checked before any process starts: unknown keys and wrong types (with the file, the
+dotted path and the nearest valid key), stage ids, classes, each stage's typed config, the ``policy:``
+facts the stages share (molt.policy), dangling edges, undeclared cycles (only edges marked ``feedback:
+true`` may close one) and the columns each edge carries against those each consumer reads.
+`Pipeline.preflight` (datasets) runs once in ``molt run`` and ``molt sweep``. YAML loading, ``--set`` and error wording live in
 :mod:`molt.config`.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.config import apply_override, import_class, load_yaml, validate
 from molt.placement import PlacementSpec, check_placement
-from molt.policy import PolicySpec, apply_policy
+from molt.policy import PolicySpec, apply_policy, check_group_filters
+from molt.requires import beside, check_requires
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
-logger = logging.getLogger(__name__)
 
 
 class EdgeConfig(BaseModel):
@@ -195,9 +192,7 @@ class Pipeline:
         data = load_yaml(path)
         for item in overrides or []:
             apply_override(data, item, str(path))
-        if isinstance(data.get("requires"), dict):  # pipeline files beside this one, wherever molt runs
-            data["requires"] = {k: str(path.parent / v) if isinstance(v, str) and not Path(v).is_absolute() else v
-                                for k, v in data["requires"].items()}
+        beside(data, path)  # requires: pipeline files beside this one, wherever molt runs
         source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
         return cls.from_spec(data, source=source)
 
@@ -210,13 +205,9 @@ class Pipeline:
         if isinstance(data, PipelineSpec):
             data = data.model_dump(by_alias=True)
         spec = validate(PipelineSpec, data, source, ())
-        for name, file in spec.requires.items():
-            if "/" in name or not Path(file).is_file():
-                raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing pipeline file; "
-                                 f"got {name!r}: {file!r}; hint: requires: {{MODEL_NAME: other_pipeline.yaml}}")
+        check_requires(spec.requires, source)
         stages = {sid: _build_stage(sid, s, source) for sid, s in spec.stages.items()}
-        for warning in apply_policy(spec.policy, {sid: n.config for sid, n in stages.items()}, source):
-            logger.warning(warning)
+        apply_policy(spec.policy, {sid: n.config for sid, n in stages.items()}, source)  # warns of mismatches
         edges = [_build_edge(i, e, stages, source) for i, e in enumerate(spec.edges)]
         pipe = cls(spec, source, stages, edges)
         _check_graph(pipe)
@@ -277,10 +268,10 @@ class Pipeline:
 
     def describe(self) -> str:
         """The resolved DAG as text (``molt graph``)."""
-        policy = self.spec.policy
-        lines = [f"pipeline {self.spec.name!r} ({self.source})",
-                 f"policy: precision {policy.precision}, temperature {policy.temperature or 'as the stages state'}"]
-        lines += [f"requires: {name} (made by {file})" for name, file in self.spec.requires.items()] + ["stages:"]
+        spec = self.spec
+        lines = [f"pipeline {spec.name!r} ({self.source})", f"policy: precision {spec.policy.precision}, "
+                 f"temperature {spec.policy.temperature or 'as the stages state'}",
+                 *[f"requires: {name} (made by {file})" for name, file in spec.requires.items()], "stages:"]
         for sid in self.topo_order():
             n = self.stages[sid]
             kind = (f"fused into {n.colocate_with}" if n.colocate_with else
@@ -363,7 +354,7 @@ def _check_graph(pipe: Pipeline) -> None:
                                  f"edge {e.name}; it carries {e.schema.names}")
     for sid in pipe.stages:  # feedback inputs, now that every schema is known
         _check_inputs(pipe, sid)
-    _check_group_filters(pipe)
+    check_group_filters(pipe)
     check_placement(pipe)
 
 
@@ -425,21 +416,3 @@ def _check_colocation(pipe: Pipeline, sid: str, n: StageNode) -> None:
         raise ValueError(f"{where}: a stage fused into a torchrun group may only receive from "
                          f"its host; got {external}")
 
-
-def _check_group_filters(pipe: Pipeline) -> None:
-    """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
-    bound (``max_staleness`` set): it counts a dropped group as trained and waits for a version that
-    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group)."""
-    for sid, n in pipe.stages.items():
-        if not n.cls.drops_groups:
-            continue
-        upstream: set[str] = set()
-        frontier = {sid}
-        while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
-            upstream |= frontier
-        for up in sorted(upstream):
-            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is not None:
-                raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which "
-                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a "
-                                 "dropped group as trained and would wait for a version that never comes; hint: "
-                                 f"max_staleness: null on stages.{up} (the train stage still refuses stale tokens)")

@@ -2,7 +2,8 @@
 
     policy: {precision: float32, temperature: 0.8}
 
-A stage config field declared with `policy_field` names the fact it holds. Where the YAML
+`check_group_filters` refuses a group filter under a staleness bound (``max_staleness``, a
+policy fact the rollout and trainer share). A stage config field declared with `policy_field` names the fact it holds. Where the YAML
 leaves it unset, it takes the block's value when the pipeline loads (`apply_policy`); where
 the YAML sets it (an override), the value is checked against the block:
 
@@ -21,11 +22,16 @@ both in fp32 7e-6, 1e-4 and 1.0001.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from molt.pipeline import Pipeline
+
+logger = logging.getLogger(__name__)
 Precision = Literal["float32", "bfloat16"]
 MISMATCH_COST = ("the trainer's logprobs then differ from the engine's (a bf16 trainer against an fp32 engine, "
                  "the quickstart's first on-policy step: |logprob diff| mean 0.027, max 0.39, ratio max 1.38 "
@@ -61,7 +67,7 @@ def _marked(config: BaseModel, where: str) -> Iterator[tuple[BaseModel, str, str
 
 def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str) -> list[str]:
     """Give every stage config's unset `policy_field` the block's value (stage id -> config, in place);
-    returns one warning per stage whose precision differs from ``policy.precision``.
+    logs and returns one warning per stage whose precision differs from ``policy.precision``.
 
     Example: policy {precision: float32} and a train stage with ``compute_dtype: bfloat16``
     -> ["...: stages.train.config.compute_dtype is bfloat16 but policy.precision is float32 ..."].
@@ -88,4 +94,24 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
         elif fact == "precision" and getattr(model, name) != policy.precision:
             warnings.append(f"{source}: {key} is {getattr(model, name)} but policy.precision is {policy.precision}: "
                             f"{MISMATCH_COST}; hint: set policy.precision instead, for trainer and engines alike")
+            logger.warning(warnings[-1])
     return warnings
+
+
+def check_group_filters(pipe: Pipeline) -> None:
+    """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
+    bound (``max_staleness`` set): it counts a dropped group as trained and waits for a version that
+    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group)."""
+    for sid, n in pipe.stages.items():
+        if not n.cls.drops_groups:
+            continue
+        upstream: set[str] = set()
+        frontier = {sid}
+        while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
+            upstream |= frontier
+        for up in sorted(upstream):
+            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is not None:
+                raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which "
+                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a "
+                                 "dropped group as trained and would wait for a version that never comes; hint: "
+                                 f"max_staleness: null on stages.{up} (the train stage still refuses stale tokens)")

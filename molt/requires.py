@@ -16,11 +16,30 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from molt.metrics import get_logger
-from molt.pipeline import Pipeline
+
+if TYPE_CHECKING:
+    from molt.pipeline import Pipeline
 
 log = get_logger("runner")
+
+
+def beside(data: dict[str, Any], path: Path) -> None:
+    """Make the pipeline files of ``data["requires"]`` (a pipeline YAML's, in place) relative to the
+    folder of ``path``, that YAML, rather than to where ``molt run`` starts."""
+    if isinstance(data.get("requires"), dict):
+        data["requires"] = {k: str(path.parent / v) if isinstance(v, str) and not Path(v).is_absolute() else v
+                            for k, v in data["requires"].items()}
+
+
+def check_requires(requires: dict[str, str], source: str) -> None:
+    """Raises ValueError naming ``requires.NAME`` unless NAME is a model name and its file exists."""
+    for name, file in requires.items():
+        if "/" in name or not Path(file).is_file():
+            raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing pipeline file; "
+                             f"got {name!r}: {file!r}; hint: requires: {{MODEL_NAME: other_pipeline.yaml}}")
 
 
 def make_required(pipe: Pipeline, run_dir: Path) -> int:
@@ -33,6 +52,7 @@ def make_required(pipe: Pipeline, run_dir: Path) -> int:
     from filelock import FileLock
 
     from molt.models import default_cache_dir
+    from molt.pipeline import Pipeline
     from molt.runner import Runner
 
     cache = default_cache_dir()

@@ -45,13 +45,13 @@ def test_a_temperature_that_contradicts_another_fails_at_load_naming_both_keys()
 
 
 def test_a_stage_in_another_precision_loads_with_a_warning_of_what_it_costs(caplog):
-    with caplog.at_level(logging.WARNING, logger="molt.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="molt.policy"):
         pipe = Pipeline.from_yaml(QUICKSTART, ["stages.train.config.compute_dtype=bfloat16"])
     assert facts(pipe) == {"rollout": (0.8, "float32"), "train": (0.8, "bfloat16"), "evaluate": (None, "float32")}
     [warning] = [r.getMessage() for r in caplog.records]
     assert "stages.train.config.compute_dtype is bfloat16 but policy.precision is float32" in warning
     assert "ratio max 1.38" in warning and "correction (TIS/IcePop)" in warning
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="molt.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="molt.policy"):
         Pipeline.from_yaml(QUICKSTART, ["stages.train.config.compute_dtype=float32"])
     assert not caplog.records, "stating the policy's own value is no contradiction"
