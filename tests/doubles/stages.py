@@ -141,20 +141,12 @@ class Counter(Transform):
         return {"rows": self.rows}
 
 
-class ModelMaker(Transform):
+class ModelMaker(Counter):
     """A sink that, at the end of its input, writes a stand-in model folder (config.json holding
     the rows it saw) where a train stage's ``export_model: name`` would (molt.requires' tests)."""
 
     class Config(StageConfig):
         name: str
-
-    outputs: ClassVar[dict[str, Port]] = {}
-
-    def setup(self) -> None:
-        self.rows = 0
-
-    def process(self, batch: pa.RecordBatch) -> None:
-        self.rows += batch.num_rows
 
     def flush(self) -> None:
         from molt.models import export_path
