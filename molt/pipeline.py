@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.config import apply_override, import_class, load_yaml, validate
 from molt.placement import PlacementSpec, check_placement
-from molt.policy import PolicySpec, apply_policy, check_group_filters
+from molt.policy import PolicySpec, apply_policy, check_group_filters, filled
 from molt.requires import beside, check_requires
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
@@ -225,10 +225,9 @@ class Pipeline:
     def to_dict(self) -> dict[str, Any]:
         """The resolved pipeline as plain data (validated configs, import paths)."""
         data = self.spec.model_dump(by_alias=True, exclude={"stages"})
-        data["stages"] = {sid: {"class": n.class_path, "config": n.config.model_dump(mode="json"),
-                                "replicas": n.replicas, "world_size": n.world_size,
-                                "colocate_with": n.colocate_with}
-                          for sid, n in self.stages.items()}
+        data["stages"] = {sid: {"class": n.class_path, "replicas": n.replicas, "world_size": n.world_size,
+                                "config": n.config.model_dump(mode="json", exclude=filled(n.config)),  # policy: once
+                                "colocate_with": n.colocate_with} for sid, n in self.stages.items()}
         return data
 
     def checkpointed(self) -> dict[str, tuple[int, str | None]]:

@@ -247,8 +247,9 @@ class Proc:
 
 def _is_worker(proc: psutil.Process) -> bool:
     """Whether ``proc`` is a stage process (``python -m molt.worker``, which dumps its stacks on SIGUSR1)."""
-    with contextlib.suppress(psutil.Error):
-        return "molt.worker" in proc.cmdline()
+    with contextlib.suppress(psutil.Error):  # a torchrun launcher names molt.worker too, and dies of SIGUSR1
+        argv = proc.cmdline()
+        return "molt.worker" in argv and "torch.distributed.run" not in argv
     return False
 
 

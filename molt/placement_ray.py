@@ -77,6 +77,10 @@ class Launcher:
         if self.proc is not None:
             self.proc.kill()
 
+    def stacks(self) -> str:
+        """`Proc.stacks` of its process, on its node."""
+        return self.proc.stacks() if self.proc is not None else "no process started"
+
 
 class RayProc:
     """The runner's handle of a process started by a launcher (the interface of molt.placement.Proc)."""
@@ -118,6 +122,13 @@ class RayProc:
                         timeout=30)
             except (ray.exceptions.RayError, TimeoutError):
                 pass
+
+    def stacks(self) -> str:
+        """Its process's Python stacks, from its launcher on its node (the watchdog's report)."""
+        try:
+            return str(ray.get(self.actor.stacks.remote(), timeout=60))
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            return f"no stacks: its launcher did not answer ({type(e).__name__}); see {self.log_path}"
 
     def failure(self) -> str:
         return f"{self.error or f'the process exited with code {self.code}'}; see {self.log_path}"

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if TYPE_CHECKING:
     from molt.pipeline import Pipeline
@@ -65,6 +65,20 @@ def _marked(config: BaseModel, where: str) -> Iterator[tuple[BaseModel, str, str
             yield from _marked(value, f"{where}.{name}")
 
 
+def filled(config: BaseModel) -> dict[str, Any]:
+    """The `policy_field` s of ``config`` that took the block's value, as a ``model_dump`` ``exclude``:
+    a resolved pipeline (a run's ``pipeline.yaml``) states them once, in its ``policy:`` block."""
+    out: dict[str, Any] = {}
+    for name, field in type(config).model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and "policy" in extra:
+            if name not in config.model_fields_set:
+                out[name] = True
+        elif isinstance(value := getattr(config, name), BaseModel) and (inner := filled(value)):
+            out[name] = inner
+    return out
+
+
 def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str) -> list[str]:
     """Give every stage config's unset `policy_field` the block's value (stage id -> config, in place);
     logs and returns one warning per stage whose precision differs from ``policy.precision``.
@@ -90,7 +104,12 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
     for model, name, fact, key in fields:
         if name not in model.model_fields_set:
             if agreed[fact] is not None:
-                setattr(model, name, agreed[fact])
+                try:  # the field's own bounds hold (a rollout may sample at 0, a trainer may not)
+                    model.__pydantic_validator__.validate_assignment(model, name, agreed[fact])
+                except ValidationError as e:
+                    raise ValueError(f"{source}: {key}: {e.errors()[0]['msg']}; got {agreed[fact]!r} from "
+                                     f"{'policy.' + fact if fact == 'precision' else stated[0][0]}") from None
+                model.model_fields_set.discard(name)  # the block's value, not the stage's (`filled`)
         elif fact == "precision" and getattr(model, name) != policy.precision:
             warnings.append(f"{source}: {key} is {getattr(model, name)} but policy.precision is {policy.precision}: "
                             f"{MISMATCH_COST}; hint: set policy.precision instead, for trainer and engines alike")

@@ -79,8 +79,9 @@ class Progress:
                 if not line.endswith("\n"):
                     break  # a line still being written: read it next time
                 self.offsets[path] = f.tell()
-                if self.merged.get(path.name, 0) > 0:  # in metrics.jsonl already: read, not written again
-                    self.merged[path.name] -= 1
+                source = ".".join(path.name.split(".")[:2])  # stage.replica (a torchrun group's rank 0 writes)
+                if self.merged.get(source, 0) > 0:  # in metrics.jsonl already: read, not written again
+                    self.merged[source] -= 1
                 else:
                     self._out.write(line)
                 rec = json.loads(line)
@@ -126,12 +127,13 @@ def _collapse(values: dict[str, float], sid: str) -> list[str]:
 
 
 def _merged_lines(path: Path) -> dict[str, int]:
-    """Lines of each replica's metrics file (by name, ``{stage}.{replica}.jsonl``) that ``path``
-    (a run's ``metrics.jsonl``) holds already: a resumed run merges only the lines after them."""
+    """Lines of each replica's metrics file (by ``{stage}.{replica}``; one file each, a torchrun
+    group's rank 0 writing) that ``path`` (a run's ``metrics.jsonl``) holds already: a resumed run
+    merges only the lines after them."""
     counts: dict[str, int] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            name = f"{rec['stage']}.{rec['replica']}.jsonl"
+            name = f"{rec['stage']}.{rec['replica']}"
             counts[name] = counts.get(name, 0) + 1
     return counts

@@ -27,10 +27,11 @@ log = get_logger("runner")
 
 
 def beside(data: dict[str, Any], path: Path) -> None:
-    """Make the pipeline files of ``data["requires"]`` (a pipeline YAML's, in place) relative to the
-    folder of ``path``, that YAML, rather than to where ``molt run`` starts."""
+    """Make the pipeline files of ``data["requires"]`` (a pipeline YAML's, in place) absolute paths
+    from the folder of ``path``, that YAML (not from where ``molt run`` starts): a run's resolved
+    ``pipeline.yaml``, which its processes load, names the same files."""
     if isinstance(data.get("requires"), dict):
-        data["requires"] = {k: str(path.parent / v) if isinstance(v, str) and not Path(v).is_absolute() else v
+        data["requires"] = {k: str((path.parent / v).resolve()) if isinstance(v, str) else v
                             for k, v in data["requires"].items()}
 
 

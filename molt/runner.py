@@ -287,8 +287,9 @@ class Runner:
         if status == "interrupted":
             log.warning("run interrupted after %.1f s; every process stopped: %s", wall_s, self.run_dir)
             return 130
-        log.error("stage %s failed%s; run stopped (%s)\n%s", failure["stage"], " on what a peer sent it (no stage "
-                  "failed on its own)" if failure.get("upstream") else "", self.run_dir, failure["error"])
+        what = ("the watchdog stopped the run" if failure["stage"] == "watchdog" else f"stage {failure['stage']} "
+                f"failed{' on what a peer sent it (no stage failed on its own)' if failure.get('upstream') else ''}")
+        log.error("%s; run stopped (%s)\n%s", what, self.run_dir, failure["error"])
         return 1
 
 

@@ -280,7 +280,10 @@ class OutputEdge:
                                    peer)
                 continue
             if kind_frame == HELLO:
-                self.credits[peer] = int(control_payload(payload, "credits", f"{self.where}: hello of {peer!r}"))
+                credits = control_payload(payload, "credits", f"{self.where}: hello of {peer!r}")
+                if not isinstance(credits, int) or isinstance(credits, bool) or credits < 0:
+                    raise ProtocolError(f"{self.where}: hello of {peer!r}: credits {credits!r} is not a count")
+                self.credits[peer] = credits
                 if self.spec.kind == "broadcast" and self.latest is not None:
                     await self.sock.send_multipart([ident, *self.latest], copy=False)
             elif kind_frame == CREDIT:

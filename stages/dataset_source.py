@@ -33,7 +33,7 @@ from torchdata.nodes import Batcher
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Source, StageConfig, StageContext
-from molt.tasks import PromptNode, Record, Task, TaskConfig, prompt_batches
+from molt.tasks import PromptNode, Record, Task, TaskConfig, preflight_task, prompt_batches
 from molt.transport import Barrier
 
 WRITES = ("prompt_id", "metadata")
@@ -61,15 +61,8 @@ class DatasetSource(Source):
 
     @classmethod
     def preflight(cls, config: StageConfig, where: str) -> None:
-        """Load the task once before the run starts: a missing, empty or malformed dataset, or one
-        with a repeated prompt_id, is refused before any engine starts."""
         assert isinstance(config, cls.Config)
-        try:
-            task = config.task.load()
-        except ValueError as e:
-            raise ValueError(f"{where}.task: {e}") from None
-        if task.num_records == 0:
-            raise ValueError(f"{where}.task: no records; hint: num_problems >= 1")
+        preflight_task(config.task, f"{where}.task")
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx

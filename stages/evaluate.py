@@ -1,31 +1,27 @@
 """Evaluate: held-out greedy accuracy of the policy, before training and every k versions.
 
-Runs its own engine (vLLM by default) on the policy's model and listens to the weight
-broadcast on ``weights`` (a ``kind: broadcast`` edge from the broadcast stage). It
-evaluates the initial weights at start; then, whenever a version ``v`` with
-``v % every_versions == 0`` has been published, the newest version received (``v``
-itself unless newer ones were waiting or ``v``'s file was already pruned); and at end of
-stream the last version it saw if that was not evaluated yet (the final accuracy).
-Each refit is verified like the rollout's (molt.engines.weights.apply_weight_record).
+Runs its own engine (vLLM by default) on the policy's model and listens to the weight broadcast on
+``weights`` (a ``kind: broadcast`` edge). It evaluates the initial weights at start; then, whenever a
+version ``v`` with ``v % every_versions == 0`` has been published, the newest version received (``v``
+unless newer ones were waiting or its file was pruned); and at end of stream the last version it saw
+if not evaluated yet (the final accuracy). Refits are verified (molt.engines.weights).
 
-One evaluation: every problem of ``task`` (e.g. the arithmetic ``eval`` split, which
-never overlaps ``train``), one greedy completion each (``max_new_tokens``), graded by
-``grader`` against the task's answer. It logs, at step = policy version (keys prefixed
-by the stage id, e.g. ``evaluate/accuracy``)::
+One evaluation: every problem of ``task`` (e.g. the arithmetic ``eval`` split, which never overlaps
+``train``), one greedy completion each (``max_new_tokens``), graded by ``grader`` against the task's
+answer. It logs, at step = policy version (keys prefixed by the stage id, e.g. ``evaluate/accuracy``)::
 
     accuracy           p = correct / n
     accuracy_stderr    sqrt(p (1 - p) / n)   (binomial standard error of p)
     accuracy_baseline  p of the first evaluation (version 0 in a fresh run)
     num_problems, policy_version, seconds
 
-and sends one row per evaluation on ``out`` (EVAL_SCHEMA). Example: 500 problems, 120
-right -> accuracy 0.24, stderr sqrt(0.24 * 0.76 / 500) = 0.019.
+and sends one row per evaluation on ``out`` (EVAL_SCHEMA). Example: 500 problems, 120 right -> accuracy 0.24,
+stderr sqrt(0.24 * 0.76 / 500) = 0.019.
 
-Weight files: a record's file is hard-linked into this stage's own folder as it
-arrives, so the broadcast's pruning (``keep_versions``) or its exit cannot delete the
-weights of a version still to be evaluated; only the newest link (and one being loaded)
-is kept, also during an evaluation. A file pruned before its record was read (the
-broadcast prunes only after writing a newer one) is skipped for that newer one.
+Weight files: a record's file is hard-linked into this stage's own folder as it arrives, so the
+broadcast's pruning (``keep_versions``) or its exit cannot delete a version still to be evaluated;
+only the newest link (and one being loaded) is kept. A file pruned before its record was read is
+skipped for the newer one. The task is loaded once before the run starts (`preflight_task`).
 
     evaluate:
       class: stages.evaluate.Evaluate
@@ -54,7 +50,7 @@ from molt.engines.weights import apply_weight_record
 from molt.graders import GraderConfig, MathGrader
 from molt.schema import batch_from_rows, make_schema
 from molt.stage import Port, Service, StageConfig, scratch_folder
-from molt.tasks import TaskConfig
+from molt.tasks import TaskConfig, preflight_task
 
 EVAL_SCHEMA = make_schema([
     pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
@@ -80,6 +76,10 @@ class Evaluate(Service):
     config: Config
     inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
     outputs: ClassVar[dict[str, Port]] = {"out": Port(schema=EVAL_SCHEMA)}
+
+    @classmethod
+    def preflight(cls, config: StageConfig, where: str) -> None:
+        preflight_task(config.task, f"{where}.task")  # type: ignore[attr-defined]  # an Evaluate.Config
 
     def setup(self) -> None:
         from molt.models import resolve_model

@@ -28,7 +28,6 @@ from molt.agents.admission import GroupAdmission
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.restart import EngineRestarter, RestartConfig
-from molt.engines.weights import refit_from
 from molt.models import resolve_model
 from molt.config import import_class
 from molt.policy import policy_field
@@ -82,7 +81,8 @@ class Rollout(Service):
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(self.model_dir)
         self.restarter = EngineRestarter(c.engine_restarts, lambda: make_engine(
-            c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica)), self.log, self.metrics)
+            c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica)), self.log,
+            self.metrics, self.ctx.inputs.get("weights"))
         self.engine = self.restarter.engine
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
@@ -131,7 +131,7 @@ class Rollout(Service):
         if self.config.weights_input and self.engine.streams_weights:
             await self.end("out")  # 4) streamed refits wait for every engine: take them until the trainer ends
             while (item := await self.recv("weights")) is not None:
-                await self._refit_if_new_weights(item=item)
+                await self._refit_if_new_weights(item)
 
     def _check_failures(self, end: bool = False) -> None:
         """Fail when no rollout succeeded (after a step's worth of lost groups, or at the end); log throughput."""
@@ -174,7 +174,7 @@ class Rollout(Service):
         start = time.monotonic()
         rows, failed = await self.restarter.retrying(  # a dead engine: restarted, the whole group run again
             lambda: run_group(lambda rid: self._episode(task, rid), prompt_id, task, index, self.config.group_size,
-                              "score" in self.schema.names), self._refit_if_new_weights)
+                              "score" in self.schema.names))
         for rid, error in failed:
             self.log.warning("rollout %s failed: %s", rid, error)
             self.first_failure = self.first_failure or f"rollout {rid}: {error}"
@@ -189,11 +189,9 @@ class Rollout(Service):
         return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
                                  self.config.max_turns, self.config.engine.max_model_len)
 
-    async def _refit_if_new_weights(self, engine: Any = None, item: pa.RecordBatch | Barrier | None = None) -> None:
-        port, engine = self.ctx.inputs.get("weights"), engine or self.engine
-        if port is not None and (done := await refit_from(engine, port, item)) is not None:
-            self.restarter.weights = done[1]  # what a restarted engine loads again
-            self.metrics.log({"refit_seconds": done[0], "policy_version": engine.policy_version})
+    async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
+        if (seconds := await self.restarter.refit(item)) is not None:  # molt.engines.weights, verified
+            self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
         for part in (p for p in (getattr(self, "server", None), getattr(self, "engine", None)) if p is not None):

@@ -137,6 +137,8 @@ class Train(Service):
         self.lag_sum, self.lag_tokens = self.lag_sum + lag_sum, self.lag_tokens + lag_tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
         result.metrics.update(row_metrics(batch))
+        if not result.metrics.get("tokens/count"):  # every row inert: no trained token to take an entropy of
+            result.metrics.pop("entropy/mean", None)
         self.version += 1
         seconds = time.monotonic() - start
         self._report(result, lag, seconds)
@@ -166,13 +168,13 @@ class Train(Service):
 
     def _report(self, result: StepResult, lag: int, seconds: float) -> None:
         tok_s, memory_gb = result.num_tokens / max(seconds, 1e-9), _peak_memory_gb(self.config.device)
-        crossed = self.watch(result.metrics)
+        crossed = self.watch(result.metrics) if self.config.policy_loss.type != "sft" else []  # SFT samples nothing
         if self.ctx.rank == 0:
             (self.log.warning if crossed else self.log.info)(
                 "step %d  loss %.4f  reward %.3f  tok/s %.0f  lag %d  grad_norm %.3f  lr %.2e  clip %.3f  entropy "
                 "%.3f  time %.1fs  export %.2fs  mem %.2fGB%s", self.version - 1, result.loss, result.metrics["reward/mean"], tok_s, lag,
                 result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0) + result.metrics.get(
-                    "clip/low_frac", 0.0), result.metrics.get("entropy/mean", 0.0), seconds,
+                    "clip/low_frac", 0.0), result.metrics.get("entropy/mean", float("nan")), seconds,
                 self.handle.export_seconds, memory_gb, "  COLLAPSE: " + ", ".join(crossed) if crossed else "")
         self.metrics.count("tokens_trained", result.num_tokens)
         self.metrics.log({**result.metrics, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,

@@ -19,8 +19,8 @@ def chat(tiny_chat_model):
     return ChatTemplate(AutoTokenizer.from_pretrained(tiny_chat_model))
 
 
-def serve(model, chat, agent, max_turns=5):
-    engine = Recording(str(model))
+def serve(model, chat, agent, max_turns=5, engine=None):
+    engine = engine or Recording(str(model))
 
     async def main():
         server = ChatServer(engine, chat, SamplingParams(temperature=1.0, max_new_tokens=5, seed=2), max_turns, 400)
@@ -119,3 +119,14 @@ def test_responses_report_token_usage(tiny_chat_model, chat):
 
     ep, [c1] = serve(tiny_chat_model, chat, Usage())
     assert ep.score == len(c1.token_ids)
+
+
+def test_an_engine_that_dies_under_an_agent_is_reported_as_the_engines_death_not_the_agents(tiny_chat_model, chat):
+    from molt.engines.base import EngineDeadError
+
+    class Dead(Recording):
+        async def generate(self, *args, **kwargs):
+            raise EngineDeadError("the engine core died (a test double)")
+
+    with pytest.raises(EngineDeadError, match="the engine core died"):  # the rollout restarts it and runs again
+        serve(tiny_chat_model, chat, ThreeTurnAgent(), engine=Dead(str(tiny_chat_model)))

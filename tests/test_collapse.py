@@ -74,3 +74,10 @@ def test_the_trainers_entropy_is_that_of_the_full_softmax_and_leaves_logprobs_an
     assert h.item() == pytest.approx(math.log(math.e + 1) - math.e / (math.e + 1))
     _, h = target_logprobs_entropy(torch.tensor([[1.0]]), torch.tensor([[1e4], [0.0]]), torch.tensor([0]), 1.0)
     assert h.item() == 0.0
+
+
+def test_records_without_rewards_have_no_zero_variance_share():
+    schema = make_schema(resolve_fields(("sample_id", "prompt_id", "rollout_id", "token_ids", "loss_mask"), "test"),
+                         "trajectory")
+    rows = [{k: v for k, v in r.items() if k != "reward"} for r in group("a", [[1], [2]], [None, None])]
+    assert row_metrics(batch_from_rows(rows, schema)) == {"reward/mean": 0.0, "collapse/identical_groups_frac": 0.0}

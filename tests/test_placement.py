@@ -319,3 +319,12 @@ def test_a_stop_never_kills_a_process_that_took_a_remembered_descendants_pid(tmp
         assert unrelated.wait(timeout=5) == -9
     finally:
         unrelated.kill()
+
+
+def test_the_watchdog_reports_the_stacks_of_a_ray_placed_process(tmp_path, no_orphans, no_ray_left):
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 600}}), num_groups=8)
+    spec.update(watchdog_s=25, placement={"backend": "ray"})  # after the launchers and stages have started
+    code, summary, err = molt_run(spec, tmp_path / "ray")
+    assert code == 1 and summary["failed_stage"] == "watchdog", err[-3000:]
+    stacks = summary["error"].split("slow.0:")[1]  # from its launcher, on its node
+    assert "stages.py" in stacks and "process" in stacks, summary["error"][-3000:]

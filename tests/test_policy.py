@@ -27,8 +27,12 @@ def test_the_policy_block_sets_the_trainers_and_every_engines_precision_and_temp
     assert "policy: precision float32, temperature 0.8" in Pipeline.from_yaml(QUICKSTART).describe()  # molt graph
     pipe = Pipeline.from_yaml(QUICKSTART, ["policy.precision=bfloat16", "policy.temperature=1.1"])
     assert facts(pipe) == {"rollout": (1.1, "bfloat16"), "train": (1.1, "bfloat16"), "evaluate": (None, "bfloat16")}
-    saved = Pipeline.from_spec(pipe.to_dict())  # what a run's pipeline.yaml holds loads to the same
-    assert facts(saved) == facts(pipe)
+    saved = pipe.to_dict()  # a run's pipeline.yaml states the facts once, in its policy block
+    assert "temperature" not in saved["stages"]["train"]["config"] and "dtype" not in saved["stages"]["rollout"][
+        "config"]["engine"] and saved["policy"] == {"precision": "bfloat16", "temperature": 1.1}
+    assert facts(Pipeline.from_spec(saved)) == facts(pipe)
+    saved["policy"]["temperature"] = 0.7  # e.g. molt replay RUN_DIR --from-step K --set policy.temperature=0.7
+    assert facts(Pipeline.from_spec(saved))["train"] == (0.7, "bfloat16")
 
 
 def test_a_temperature_that_contradicts_another_fails_at_load_naming_both_keys():
@@ -42,6 +46,9 @@ def test_a_temperature_that_contradicts_another_fails_at_load_naming_both_keys()
     agreed = Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0.7"])
     assert facts(agreed)["train"][0] == 0.7, "the one stated value holds for the trainer too"
     assert facts(Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null"]))["train"][0] == 1.0, "unstated: 1.0"
+    with pytest.raises(ValueError, match=r"stages.train.config.temperature: Input should be greater than 0; got 0.0 "
+                                         r"from stages.rollout.config.temperature"):  # greedy rollouts cannot train
+        Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0"])
 
 
 def test_a_stage_in_another_precision_loads_with_a_warning_of_what_it_costs(caplog):

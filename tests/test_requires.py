@@ -5,8 +5,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from molt.pipeline import Pipeline
 
@@ -75,5 +77,10 @@ def test_requires_names_a_model_and_an_existing_pipeline_file_beside_the_yaml(pi
                                          r"pipeline file; got 'made-model': '.*/nothing.yaml'"):
         Pipeline.from_yaml(pipelines / "user.yaml", ["requires={made-model: nothing.yaml}"])
     vlm = Pipeline.from_yaml("pipelines/vlm_moe.yaml")
-    assert vlm.spec.requires == {"shapes-vlm-moe-sft": "pipelines/sft.yaml"}
-    assert "requires: shapes-vlm-moe-sft (made by pipelines/sft.yaml)" in vlm.describe()  # molt graph
+    sft = str(Path("pipelines/sft.yaml").resolve())
+    assert vlm.spec.requires == {"shapes-vlm-moe-sft": sft}
+    assert f"requires: shapes-vlm-moe-sft (made by {sft})" in vlm.describe()  # molt graph
+    saved = pipelines / "run" / "pipeline.yaml"  # what every process of a run loads: the same file
+    saved.parent.mkdir()
+    saved.write_text(yaml.safe_dump(vlm.to_dict()))
+    assert Pipeline.from_yaml(saved).spec.requires == {"shapes-vlm-moe-sft": sft}

@@ -182,13 +182,13 @@ def test_a_killed_molt_run_leaves_no_process_and_no_scratch_folder_behind(tmp_pa
 
 def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_process_was_doing(tmp_path, no_orphans):
     spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 600}}), num_groups=8)
-    spec["watchdog_s"] = 4
+    spec["watchdog_s"] = 10  # past the stages' start, even on a slow machine
     start = time.monotonic()
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 1 and time.monotonic() - start < 60
     assert summary["failed_stage"] == "watchdog"
     error = summary["error"]
-    assert error.startswith("no process wrote a metric line for ") and "(watchdog_s 4); what each was doing" in error
+    assert error.startswith("no process wrote a metric line for ") and "(watchdog_s 10); what each was doing" in error
     stacks = error.split("slow.0:")[1]  # py-spy's "Sleepy.process (doubles/stages.py:65)" or faulthandler's
     assert "stages.py" in stacks and "process" in stacks, error[-3000:]  # 'File ".../stages.py", line 65 in process'
 

@@ -226,3 +226,6 @@ def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anythi
         err = capsys.readouterr().err
         assert "stages.source.config.task: " in err and "rows 0 and 2 have the same prompt_id 'q1'" in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "sw" / "seed_0").exists()
+    evaluation = f"stages.evaluate.config.task={{type: jsonl, path: {path}}}"  # the held-out set too
+    assert main(["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set", evaluation]) == 2
+    assert "stages.evaluate.config.task: " in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -36,7 +36,7 @@ from aiohttp import web
 from molt.agents.base import AgentError, Message
 from molt.agents.chat import ChatTemplate
 from molt.agents.episode import Episode, Segment
-from molt.engines.base import Engine, SamplingParams
+from molt.engines.base import Engine, EngineDeadError, SamplingParams
 
 
 class ChatAgent(abc.ABC):
@@ -60,6 +60,7 @@ class ChatSession:
     turns: int = 0
     last_text: str = ""
     usage: dict[str, int] = dataclasses.field(default_factory=dict)
+    engine_dead: EngineDeadError | None = None  # the engine died serving this rollout
 
 
 class ChatServer:
@@ -99,6 +100,7 @@ class ChatServer:
 
         Raises:
             AgentError: the agent raised (an HTTP 400 it received included).
+            EngineDeadError: the engine died serving it (the agent got HTTP 503); the rollout restarts it.
         """
         import openai
 
@@ -112,6 +114,8 @@ class ChatServer:
         finally:
             session = self.sessions.pop(key)
             client.close()
+            if session.engine_dead is not None:  # what the agent saw was the engine's death, not its own failure
+                raise session.engine_dead
         if not session.segments:
             raise AgentError(f"rollout {rollout_id}: the agent made no chat completion request")
         return Episode(session.segments, reward, session.finish_reason, session.turns, session.last_text, {})
@@ -125,7 +129,11 @@ class ChatServer:
         if problem:
             return _error(400, problem)
         messages = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
-        text = await self._turn(session, messages, body.get("max_tokens") or body.get("max_completion_tokens"))
+        try:
+            text = await self._turn(session, messages, body.get("max_tokens") or body.get("max_completion_tokens"))
+        except EngineDeadError as error:  # the rollout restarts the engine and runs the group again
+            session.engine_dead = error
+            return _error(503, f"the engine died: {error}")
         return web.json_response({
             "id": f"molt-{session.rollout_id}-{session.turns}", "object": "chat.completion", "created": 0,
             "model": body.get("model", "molt"), "usage": session.usage,
@@ -135,7 +143,7 @@ class ChatServer:
     def _check(self, session: ChatSession, body: dict[str, Any]) -> str:
         if session.turns >= self.max_turns:
             return f"turn budget exhausted: max_turns is {self.max_turns}"
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             return f"n must be 1; got {body['n']}; hint: the rollout stage samples group_size rollouts itself"
         t = body.get("temperature")
         if t is not None and t != self.params.temperature:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine, EngineDeadError
+from molt.engines.weights import refit_from
 from molt.metrics import MetricsWriter
 
 T = TypeVar("T")
@@ -43,17 +44,31 @@ class EngineRestarter:
     """Holds the current engine (`engine`) and restarts it (module docstring)."""
 
     def __init__(self, config: RestartConfig, start: Callable[[], Engine], log: logging.Logger,
-                 metrics: MetricsWriter) -> None:
+                 metrics: MetricsWriter, port: Any = None) -> None:
         self.config, self.start, self.log, self.metrics = config, start, log, metrics
+        self.port = port  # the rollout's weights input (molt.ports.InputPort); None: no refits
         self.engine = start()
         self.generation = 0  # restarts so far: a group that failed under an older one just retries
         self.holders: list[Any] = []  # objects whose ``engine`` attribute follows the current engine
         self.weights: Any = None  # the last weight record applied, for the new engine
+        self.restarting = False
         self._times: list[float] = []
         self._refused: RuntimeError | None = None
         self._lock = asyncio.Lock()
 
-    async def retrying(self, attempt: Callable[[], Awaitable[T]], refit: Callable[[Engine, Any], Awaitable[Any]]) -> T:
+    async def refit(self, item: Any = None, engine: Engine | None = None) -> float | None:
+        """`refit_from` the weights port into ``engine`` (default: the current one; nothing while a
+        restart is loading a new one); the seconds it took, or None. Remembers the record applied,
+        which a restarted engine loads again."""
+        if self.port is None or engine is None and self.restarting:
+            return None
+        done = await refit_from(engine or self.engine, self.port, item)
+        if done is None:
+            return None
+        self.weights = done[1]
+        return done[0]
+
+    async def retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``await attempt()``, again on a restarted engine each time it fails with `EngineDeadError`
         (counted: ``groups_retried``, ``engine_restarts``).
 
@@ -65,12 +80,11 @@ class EngineRestarter:
             try:
                 return await attempt()
             except EngineDeadError as error:
-                await self.restart(generation, error, refit)
+                await self.restart(generation, error)
                 self.metrics.count("groups_retried")
 
-    async def restart(self, generation: int, error: EngineDeadError,
-                      refit: Callable[[Engine, Any], Awaitable[Any]]) -> Engine:
-        """The engine to retry on: a new one at the dead one's version (``refit(engine, record)``).
+    async def restart(self, generation: int, error: EngineDeadError) -> Engine:
+        """The engine to retry on: a new one at the dead one's version (`refit` of the last record).
 
         Raises:
             RuntimeError: over ``max`` restarts within ``window_s``, or an engine taking streamed
@@ -95,11 +109,16 @@ class EngineRestarter:
                              version)
             with contextlib.suppress(Exception):  # it is dead: closing is only tidying up
                 self.engine.close()
-            self.engine = self.start()
+            self.restarting = True  # the rollout's own refits wait: they would load into the dead engine
+            try:
+                engine = self.start()  # synchronous: vLLM's start holds the event loop (tens of seconds)
+                if version:  # at the dead one's version before anyone generates on it
+                    await self.refit(self.weights, engine)
+            finally:
+                self.restarting = False
+            self.engine = engine
             for holder in self.holders:
-                holder.engine = self.engine
-            if version:
-                await refit(self.engine, self.weights)
+                holder.engine = engine
             self.generation += 1
             self.metrics.count("engine_restarts")
             self.log.info("engine restarted in %.1f s at version %d", time.monotonic() - now,

@@ -14,7 +14,7 @@ discriminated union (an unknown ``type`` or key fails at load, naming the choice
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Any, Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -151,3 +151,18 @@ class ParquetTask(_FileTask):
 
 TaskConfig = Annotated[Union[ArithmeticTask, ShapesTask, GSM8KTask, JSONLTask, ParquetTask],
                        Field(discriminator="type")]
+
+
+def preflight_task(config: Any, where: str) -> None:
+    """Load a stage's task (``config``, a `TaskConfig`) once, before the run starts (`Stage.preflight`):
+    a missing, empty or malformed dataset, or one repeating a prompt_id, is refused before any engine starts.
+
+    Raises:
+        ValueError: naming ``where`` (the task's YAML key) and the problem.
+    """
+    try:
+        task = config.load()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if task.num_records == 0:
+        raise ValueError(f"{where}: no records; hint: num_problems >= 1")

@@ -11,7 +11,8 @@ every row of the step batch (inert rows included), `row_metrics` gives:
 
 and the trainer adds ``entropy/mean``: the mean entropy (nats per token) of the sampling
 distribution softmax(z / temperature) at the tokens it trains, from its own logits
-(molt.train.logprobs). `CollapseConfig` sets the bounds; `alarms` names the ones crossed,
+(molt.train.logprobs; absent from a step whose rows were all inert; SFT steps raise no alarm).
+`CollapseConfig` sets the bounds; `alarms` names the ones crossed,
 which the train stage writes into its step line and as ``collapse/alarms`` (the progress
 view shows them), and after ``stop_after`` alarmed steps in a row it stops the run.
 A group is the rows of one ``prompt_id``.
@@ -59,7 +60,7 @@ class CollapseWatch:
 
 def row_metrics(batch: pa.RecordBatch) -> dict[str, float]:
     """Statistics of a step batch's rows: ``reward/mean`` (0.0 without rewards) and, with a
-    ``prompt_id`` column, ``collapse/identical_groups_frac`` and ``collapse/zero_variance_frac``.
+    ``prompt_id`` column, ``collapse/identical_groups_frac`` and (with rewards) ``collapse/zero_variance_frac``.
 
     Example: two groups, one of rows [1, 2] and [1, 2] (completion [2], rewards 0 and 0), one of
     rows [1, 3] and [1, 4] (rewards 1 and 0), loss_mask [False, True] each
@@ -75,9 +76,10 @@ def row_metrics(batch: pa.RecordBatch) -> dict[str, float]:
                                       batch.column("loss_mask").to_pylist(), rewards):
         groups[pid].append((tuple(t for t, m in zip(ids, mask) if m), reward))
     identical = sum(len(g) > 1 and len({c for c, _ in g}) == 1 for g in groups.values())
-    flat = sum(len({r for _, r in g}) == 1 for g in groups.values())
-    return out | {"collapse/identical_groups_frac": identical / len(groups),
-                  "collapse/zero_variance_frac": flat / len(groups)}
+    out["collapse/identical_groups_frac"] = identical / len(groups)
+    if known:  # rewards to compare (SFT records have none)
+        out["collapse/zero_variance_frac"] = sum(len({r for _, r in g}) == 1 for g in groups.values()) / len(groups)
+    return out
 
 
 def alarms(metrics: dict[str, float], config: CollapseConfig) -> list[str]:
