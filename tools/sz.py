@@ -12,7 +12,7 @@ from pathlib import Path
 
 BUDGET_FILE_LINES = 420  # largest single file
 BUDGET_FUNCTION_LINES = 60  # largest single function (STYLE: 90th percentile 40-60)
-BUDGET_TOTAL_LINES = 15400  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit;
+BUDGET_TOTAL_LINES = 15500  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit;
 #                            from 10600: mixture-of-experts policies, issue #7; from 11400: routing replay,
 #                            issue #8: the worker-side capture, the column through episodes, replay in training;
 #                            from 11600: multimodal policies, issue #9: images through messages, engines and the
@@ -32,7 +32,8 @@ BUDGET_TOTAL_LINES = 15400  # molt/ + stages/ (raised from 9000: checkpoint/resu
 #                            collapse metrics and alarms (molt.train.collapse), pipelines that make the models they need;
 #                            from 15050: reliability under faults, issue #35: the janitor of a killed run, the
 #                            watchdog with stack dumps, engine restarts (molt.engines.restart), validated frames,
-#                            datasets checked before a run starts)
+#                            datasets checked before a run starts; to 15500: a newcomer's findings on them: the
+#                            evaluation's dataset checked too, Ray-placed stacks, policy facts saved once and validated)
 ROOTS = ("molt", "stages")
 
 
