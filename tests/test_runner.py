@@ -349,7 +349,7 @@ def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_con
     write_status(tmp_path, "sink.0", "failed", "upstream stage 'boom' failed", upstream=True)
     assert runner._root_cause() == {"stage": "boom.0", "error": "boom.0 killed by signal SIGKILL"}
     write_status(tmp_path, "boom.0", "failed", "RuntimeError: boom")
-    assert runner._root_cause() == {"stage": "boom.0", "error": "RuntimeError: boom"}
+    assert runner._root_cause() == {"stage": "boom.0", "error": "RuntimeError: boom", "upstream": False}
     runner.procs = [FakeProc("source.0", 1), FakeProc("sink.0", 1)]
     (tmp_path / "status" / "boom.0.json").unlink()
     assert runner._root_cause()["stage"] == "source.0", "only consequences: the earliest"
