@@ -42,15 +42,14 @@ def baseline(model: Path, prompts: list[list[int]], args: argparse.Namespace) ->
 
 def molt_rollout(model: Path, args: argparse.Namespace) -> float:
     """Generated tokens per second reported by the rollout stage."""
-    spec = {"name": "bench_rollout", "stages": {
+    spec = {"name": "bench_rollout", "policy": {"precision": args.dtype, "temperature": args.temperature}, "stages": {
         "source": {"class": "stages.dataset_source.DatasetSource", "config": {
             "task": {"type": "arithmetic", "num_problems": args.prompts, "seed": 0}, "prompts_per_batch": 8,
             "shuffle": False}},
         "rollout": {"class": "stages.rollout.Rollout", "config": {
-            "model": str(model), "group_size": args.group_size, "temperature": args.temperature,
+            "model": str(model), "group_size": args.group_size,
             "max_new_tokens": args.max_new_tokens, "max_concurrent_groups": args.prompts,
-            "engine": {"type": "vllm", "dtype": args.dtype, "max_model_len": args.max_model_len,
-                       "kv_cache_gib": args.kv_cache_gib}}},
+            "engine": {"type": "vllm", "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib}}},
         "sink": {"class": "stages.metrics_sink.MetricsSink"}},
         "edges": [{"from": "source", "to": "rollout"}, {"from": "rollout", "to": "sink"}]}
     run_dir = Path(tempfile.mkdtemp()) / "run"
