@@ -3,7 +3,7 @@
     policy: {precision: float32, temperature: 0.8}
 
 `check_group_filters` refuses a group filter under a staleness bound (``max_staleness``, a
-policy fact the rollout and trainer share). A stage config field declared with `policy_field` names the fact it holds. Where the YAML
+policy fact the rollout and trainer share) whose drops the rollout does not hear of. A stage config field declared with `policy_field` names the fact it holds. Where the YAML
 leaves it unset, it takes the block's value when the pipeline loads (`apply_policy`); where
 the YAML sets it (an override), the value is checked against the block:
 
@@ -119,8 +119,10 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
 
 def check_group_filters(pipe: Pipeline) -> None:
     """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
-    bound (``max_staleness`` set): it counts a dropped group as trained and waits for a version that
-    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group)."""
+    bound (``max_staleness`` set) unless the filter's ``drops`` output reaches that stage's ``drops``
+    input: without the notices it counts a dropped group as trained and waits for a version that
+    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group). A
+    notice does not say which replica made the group, so such a stage must have one replica."""
     for sid, n in pipe.stages.items():
         if not n.cls.drops_groups:
             continue
@@ -129,8 +131,16 @@ def check_group_filters(pipe: Pipeline) -> None:
         while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
             upstream |= frontier
         for up in sorted(upstream):
-            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is not None:
-                raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which "
-                                 f"admits groups under stages.{up}.config.max_staleness {bound}: it counts a "
-                                 "dropped group as trained and would wait for a version that never comes; hint: "
-                                 f"max_staleness: null on stages.{up} (the train stage still refuses stale tokens)")
+            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is None:
+                continue
+            where = (f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which admits "
+                     f"groups under stages.{up}.config.max_staleness {bound}")
+            if not any(e.src == sid and e.src_port == "drops" and e.dst == up for e in pipe.edges):
+                raise ValueError(f"{where}: without notices of the drops it counts a dropped group as trained and "
+                                 f"would wait for a version that never comes; hint: stages.{sid}.config.notify_drops"
+                                 f": true, stages.{up}.config.drops_input: true and the edge {{from: {sid}.drops, "
+                                 f"to: {up}.drops, kind: broadcast, feedback: true}}")
+            if pipe.stages[up].replicas > 1:
+                raise ValueError(f"{where} with {pipe.stages[up].replicas} replicas: a drop notice does not say "
+                                 f"which replica made the group; hint: replicas: 1 on stages.{up}, or "
+                                 f"max_staleness: null on it (the train stage still refuses stale tokens)")

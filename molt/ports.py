@@ -72,12 +72,14 @@ class InputPort:
 
     def latest(self) -> pa.RecordBatch | None:
         """Broadcast inputs: the newest batch received so far without waiting (or None)."""
-        newest = None
-        while self._ready:
-            item = self._ready.popleft()
-            if isinstance(item, pa.RecordBatch):
-                newest = item
-        return newest
+        return (self.take_ready() or [None])[-1]
+
+    def take_ready(self) -> list[pa.RecordBatch]:
+        """Broadcast inputs: every batch received so far, oldest first, without waiting (barriers
+        skipped)."""
+        batches = [item for item in self._ready if isinstance(item, pa.RecordBatch)]
+        self._ready.clear()
+        return batches
 
     async def drain_nowait(self) -> None:
         """Move every message already waiting on the sockets into the ready queue."""

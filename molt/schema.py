@@ -93,6 +93,13 @@ WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
     _field("created_unix_s", pa.float64(), "when the export finished (seconds since epoch)"),
 )
 
+DROP_NOTICE_FIELDS: tuple[pa.Field, ...] = (
+    _field("filter_replica", pa.int32(), "replica of the group filter that sends the notice"),
+    _field("num_groups_dropped", pa.int64(),
+           "groups that replica has dropped so far, since the run began (a running count: a late or repeated "
+           "notice changes nothing; molt.agents.admission)"),
+)
+
 
 def make_schema(fields: Iterable[pa.Field], name: str) -> pa.Schema:
     """Build a named schema carrying ``molt.schema_version`` and ``molt.name`` metadata."""
@@ -102,6 +109,7 @@ def make_schema(fields: Iterable[pa.Field], name: str) -> pa.Schema:
 
 TRAJECTORY_SCHEMA = make_schema(TRAJECTORY_FIELDS, "trajectory")
 WEIGHT_VERSION_SCHEMA = make_schema(WEIGHT_VERSION_FIELDS, "weight_version")
+DROP_NOTICE_SCHEMA = make_schema(DROP_NOTICE_FIELDS, "drop_notice")
 
 
 def field_doc(field: pa.Field) -> str:

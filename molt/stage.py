@@ -237,10 +237,12 @@ class Transform(Stage):
                 await self.barrier(item.step)
                 continue
             # 2) process  3) send
-            await self._emit(self.process(item))
-        await self._emit(self.flush())
+            await self.emit(self.process(item))
+        await self.emit(self.flush())
 
-    async def _emit(self, result: pa.RecordBatch | None) -> None:
+    async def emit(self, result: pa.RecordBatch | None) -> None:
+        """Send what `process` or `flush` returned on ``out``; a stage that owes more after each
+        batch (e.g. DynamicSampling's notices on another output) extends this."""
         if result is not None and "out" in self.ctx.outputs:
             await self.send("out", result)
         elif result is not None:

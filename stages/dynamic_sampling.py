@@ -3,31 +3,54 @@
 A group whose rollouts all got the same reward has exactly zero advantage under
 group-relative estimators and so no policy gradient (DAPO, arXiv 2503.14476, §3.2);
 dropping it keeps each optimizer step full of informative groups: the pack stage
-downstream takes a fixed number of groups per step, so it simply admits more.
+downstream takes a fixed number of groups per step, so it simply takes the next.
 Drops are never silent: ``groups_dropped`` and ``rows_dropped`` are counted, and
-recording this stage's input edge keeps every row for inspection. A rollout upstream
-must admit without a staleness bound (``max_staleness: null``): a bounded one admits by
-the groups it released, counting a dropped group as trained, and would wait for a
-version that never comes; the pipeline refuses that pairing when it loads.
-Example: groups with rewards [1, 0, 1, 1] and [0, 0, 0, 0] -> the first is kept.
+recording this stage's input edge keeps every row for inspection.
+
+Under a staleness bound the rollout must learn of each drop, or it counts the dropped
+group as trained and waits for a version that never comes: with ``notify_drops: true``
+the filter sends its running count of dropped groups (molt.schema.DROP_NOTICE_SCHEMA)
+on ``drops`` after every batch that dropped one, over a broadcast feedback edge to the
+rollout's ``drops`` input (molt.agents.admission); the pipeline refuses a bounded
+rollout upstream without that edge. The count is checkpointed and sent again when a
+resumed run starts, since the rollout's own checkpoint may predate the last notices.
+
+Example: groups with rewards [1, 0, 1, 1] and [0, 0, 0, 0] -> the first is kept; the
+notice says ``{filter_replica: 0, num_groups_dropped: 1}``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pyarrow as pa
+from pydantic import Field
 
 from molt.algorithms.dapo import is_flat
-from molt.stage import Port, Transform
+from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows
+from molt.stage import Port, StageConfig, Transform
 
 
 class DynamicSampling(Transform):
     """Keeps the rows of groups whose rewards differ; counts what it drops."""
 
+    class Config(StageConfig):
+        notify_drops: bool = Field(False, description="send the running count of dropped groups on 'drops' "
+                                   "(to a bounded-staleness rollout's 'drops' input)")
+
+    config: Config
     inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "rollout_id", "reward"))}
-    drops_groups = True  # so a bounded-staleness rollout upstream is refused at load (molt.pipeline)
+    drops_groups = True  # a bounded-staleness rollout upstream must hear of drops (molt.policy)
+
+    @classmethod
+    def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
+        assert isinstance(config, cls.Config)
+        drops = {"drops": Port(schema=DROP_NOTICE_SCHEMA)} if config.notify_drops else {}
+        return dict(cls.inputs), {"out": Port(passes="in"), **drops}
+
+    def setup(self) -> None:
+        self.num_groups_dropped = self.num_notified = 0
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
         prompts = batch.column("prompt_id").to_pylist()
@@ -36,7 +59,30 @@ class DynamicSampling(Transform):
             per_group[p][r] = x  # segments of one rollout share one reward: count it once
         flat = {p for p, rewards in per_group.items() if is_flat(list(rewards.values()))}
         keep = [p not in flat for p in prompts]
+        self.num_groups_dropped += len(flat)
         self.metrics.count("groups_dropped", len(flat))
         self.metrics.count("groups_kept", len(per_group) - len(flat))
         self.metrics.count("rows_dropped", keep.count(False))
         return batch.filter(pa.array(keep)) if any(keep) else None
+
+    async def run(self) -> None:
+        await self._notify()  # a resumed run's count, which the rollout may not have
+        await super().run()
+
+    async def emit(self, result: pa.RecordBatch | None) -> None:
+        await super().emit(result)
+        if self.num_groups_dropped > self.num_notified:
+            await self._notify()
+
+    async def _notify(self) -> None:
+        if self.config.notify_drops and self.num_groups_dropped:
+            await self.send("drops", batch_from_rows([{"filter_replica": self.ctx.replica,
+                                                      "num_groups_dropped": self.num_groups_dropped}],
+                                                    DROP_NOTICE_SCHEMA))
+            self.num_notified = self.num_groups_dropped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_groups_dropped": self.num_groups_dropped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_groups_dropped = self.num_notified = int(state["num_groups_dropped"])

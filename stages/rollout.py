@@ -1,16 +1,15 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``group_size`` concurrent episodes
-of the ``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code, molt.agents.openai_server) on one engine
-(vLLM by default); token ids, logprobs and versions go from the engine to the record untouched. Groups leave
-in the order they started, the i-th only once the engine is at version >= i // groups_per_step - max_staleness
-(DESIGN §4, molt.agents.admission). With ``weights_input: true`` each weight record on ``weights`` is loaded
-and verified (a failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``.
-Checkpoint: admission counters and the engine's version, which a resumed rollout waits for. A rollout whose env
-or agent raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none
-left is lost (``groups_lost``) and the next takes its place; if none succeeds (checked once a step's worth of
-groups is lost, and at the end) the stage fails. A dead engine is restarted, its groups run again
-(molt.engines.restart).
+Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``group_size`` concurrent episodes of the
+``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code) on one engine (vLLM by default): token ids, logprobs and
+versions go from the engine to the record untouched. Groups leave in the order they started, the i-th only once the
+engine is at version >= i // groups_per_step - max_staleness (DESIGN §4, molt.agents.admission; a group dropped
+downstream, told on ``drops``, gives up its place). Each weight record on ``weights`` is loaded and verified (a
+failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``. Checkpoint: admission
+counters and the engine's version, which a resumed rollout waits for. A rollout whose env or agent raises, or whose
+prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost (``groups_lost``) and
+the next takes its place; if none succeeds (checked once a step's worth of groups is lost, and at the end) the stage
+fails. A dead engine is restarted and its groups run again (molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from molt.engines.restart import EngineRestarter, RestartConfig
 from molt.models import resolve_model
 from molt.config import import_class
 from molt.policy import policy_field
-from molt.schema import batch_from_rows, make_schema, resolve_fields
+from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
 from molt.tasks import read_prompts
 from molt.transport import Barrier
@@ -57,6 +56,7 @@ class Rollout(Service):
         max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
         groups_per_step: int = Field(8, ge=1, description="groups the trainer takes per step")
         weights_input: bool = Field(False, description="listen for new weights on 'weights'")
+        drops_input: bool = Field(False, description="listen on 'drops' for groups a filter downstream dropped")
         engine_restarts: RestartConfig = Field(default_factory=RestartConfig, description="molt.engines.restart")
 
     config: Config
@@ -64,7 +64,8 @@ class Rollout(Service):
     @classmethod
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
         assert isinstance(config, cls.Config)
-        inputs = {"in": Port(reads=("prompt_id", "metadata")), **({"weights": Port()} if config.weights_input else {})}
+        inputs = {"in": Port(reads=("prompt_id", "metadata")), **({"weights": Port()} if config.weights_input else {}),
+                  **({"drops": Port(reads=tuple(DROP_NOTICE_SCHEMA))} if config.drops_input else {})}
         if config.env and config.agent:
             raise ValueError("stages.rollout.config: set env or agent, not both; got both")
         for key in (k for k in ("env", "agent") if getattr(config, k)):  # a typo fails at load
@@ -103,6 +104,7 @@ class Rollout(Service):
         exhausted = False  # the prompts' end of stream has arrived
         while not exhausted or pending:
             await self._refit_if_new_weights()
+            await self.admission.take_drop_notices(self.ctx.inputs.get("drops"))
             # 1) admit new groups while there is room and staleness allows
             while not exhausted and len(pending) < self.config.max_concurrent_groups and self._admissible():
                 if not prompts:

@@ -99,18 +99,55 @@ def test_shape_reward_applies_the_overlong_penalty_and_keeps_null_scores():
     assert out.column("reward").to_pylist() == [0.5, None, -1.0]
 
 
-def test_dynamic_sampling_under_a_bounded_staleness_rollout_is_refused_at_load():
-    # admission counts released groups as trained: a dropped one made max_staleness 0 wait for ever
+def test_dynamic_sampling_under_a_bounded_staleness_rollout_needs_the_drops_edge_at_load():
+    # admission counted a dropped group as trained: without notices max_staleness 0 waited for ever
     import yaml
 
     data = yaml.safe_load(open("pipelines/quickstart.yaml"))
     data["stages"]["filter"] = {"class": "stages.dynamic_sampling.DynamicSampling"}
     data["edges"] = [e for e in data["edges"] if e != {"from": "shape", "to": "advantage"}] + [
-        {"from": "shape", "to": "filter"}, {"from": "filter", "to": "advantage"}]
+        {"from": "shape", "to": "filter"}, {"from": "filter.out", "to": "advantage"}]
     data["stages"]["rollout"]["config"]["max_staleness"] = 0
     with pytest.raises(ValueError, match=r"stages.filter drops whole groups, downstream of stages.rollout, which "
-                                         r"admits groups under stages.rollout.config.max_staleness 0: .*hint: "
-                                         r"max_staleness: null on stages.rollout"):
+                                         r"admits groups under stages.rollout.config.max_staleness 0: without "
+                                         r"notices .*hint: stages.filter.config.notify_drops: true, "
+                                         r"stages.rollout.config.drops_input: true and the edge \{from: "
+                                         r"filter.drops, to: rollout.drops, kind: broadcast, feedback: true\}"):
+        Pipeline.from_spec(data)
+    data["stages"]["filter"]["config"] = {"notify_drops": True}
+    data["stages"]["rollout"]["config"]["drops_input"] = True
+    data["edges"].append({"from": "filter.drops", "to": "rollout.drops", "kind": "broadcast", "feedback": True})
+    assert "filter" in Pipeline.from_spec(data).stages
+    data["stages"]["rollout"]["replicas"] = 2
+    with pytest.raises(ValueError, match=r"max_staleness 0 with 2 replicas: a drop notice does not say which "
+                                         r"replica made the group"):
         Pipeline.from_spec(data)
     data["stages"]["rollout"]["config"]["max_staleness"] = None
     assert "filter" in Pipeline.from_spec(data).stages
+
+
+def test_dynamic_sampling_sends_its_running_count_of_drops_and_again_when_resumed():
+    import asyncio
+
+    sent = []
+
+    async def send(port, batch):
+        sent.append((port, batch.to_pylist()))
+
+    s = stage(DynamicSampling, notify_drops=True)
+    s.send, s.ctx.outputs = send, {"out": None, "drops": None}  # ports' stand-ins: send records
+    asyncio.run(s.emit(s.process(rows({"a": [(1.0, 0, 1), (0.0, 0, 1)], "b": [(0.0, 0, 1)] * 2}))))
+    asyncio.run(s.emit(s.process(rows({"c": [(1.0, 0, 1), (0.0, 0, 1)]}))))  # nothing dropped: no notice
+    assert [p for p, _ in sent] == ["out", "drops", "out"]
+    assert sent[1] == ("drops", [{"filter_replica": 0, "num_groups_dropped": 1}])
+    resumed = stage(DynamicSampling, notify_drops=True)
+    resumed.load_state_dict(s.state_dict())
+    resumed.send = send
+
+    async def end_of_stream(port):
+        return None
+
+    resumed.recv = end_of_stream
+    sent.clear()
+    asyncio.run(resumed.run())  # sent first: the rollout's checkpoint may predate notice 1
+    assert sent == [("drops", [{"filter_replica": 0, "num_groups_dropped": 1}])]

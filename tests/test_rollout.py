@@ -217,7 +217,7 @@ def test_groups_are_sent_in_the_order_they_started_whatever_order_they_finish_in
     sent = [g for finished in ([(2, "c")], [(0, "a")], [(3, None), (1, "b")], [(4, "e")])  # group 3: lost
             for g in admission.finish(finished)]
     assert sent == ["a", "b", "c", "e"] and admission.num_released == 5 and not admission.finished
-    assert admission.num_lost == 1 and admission.state_dict() == {"num_groups": 5, "num_lost": 1}
+    assert admission.num_lost == 1 and admission.state_dict() == {"num_groups": 5, "num_lost": 1, "num_dropped": {}}
 
 
 def test_a_lost_group_gives_its_place_in_the_step_to_the_next_admitted_one():
@@ -233,6 +233,50 @@ def test_a_lost_group_gives_its_place_in_the_step_to_the_next_admitted_one():
     resumed: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=0)
     resumed.load_state_dict({"num_groups": 3, "num_lost": 1})
     assert not resumed.admissible(version=0) and resumed.admissible(version=1)
+
+
+def test_a_group_a_filter_dropped_gives_its_place_in_the_step_to_the_next_admitted_one():
+    from molt.agents.admission import GroupAdmission
+
+    admission: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=0)
+    admission.admit(), admission.admit()
+    assert admission.finish([(0, "a"), (1, "b")]) == ["a", "b"] and not admission.admissible(version=0)
+    admission.set_dropped(filter_replica=0, num_dropped=1)  # "b" never reaches the trainer: step 0 needs one more
+    assert admission.admissible(version=0)
+    admission.set_dropped(filter_replica=0, num_dropped=0)  # an older notice changes nothing
+    assert admission.num_dropped == 1
+    admission.set_dropped(filter_replica=1, num_dropped=2)  # another filter replica's count adds to it
+    assert admission.num_dropped == 3 and admission.state_dict()["num_dropped"] == {"0": 1, "1": 2}
+    resumed: GroupAdmission[str] = GroupAdmission(groups_per_step=2, max_staleness=0)
+    resumed.load_state_dict(admission.state_dict())
+    assert resumed.num_dropped == 3 and resumed.admissible(version=0)
+
+
+def test_a_bounded_rollout_hears_of_the_groups_a_filter_drops_and_never_waits_for_ever(
+        tiny_chat_model, tmp_path, no_orphans):
+    """max_staleness 0, two groups a step, every other group flat: without the drop notices the rollout
+    counted a dropped group as trained and waited for version 1, which needs the group it never admits."""
+    spec = rollout_pipeline(tiny_chat_model, weights_input=True, drops_input=True, max_staleness=0,
+                            groups_per_step=2, max_concurrent_groups=4)
+    spec["stages"]["source"]["config"]["task"]["num_problems"] = 8
+    spec["stages"]["reward"] = {"class": "tests.doubles.stages.FlatOddGroups"}
+    spec["stages"]["filter"] = {"class": "stages.dynamic_sampling.DynamicSampling", "config": {"notify_drops": True}}
+    spec["stages"]["trainer"] = {"class": "tests.doubles.stages.SlowTrainer", "config": {
+        "groups_per_step": 2, "max_staleness": 0, "weights_path": str(tiny_chat_model / "model.safetensors")}}
+    spec["watchdog_s"] = 60
+    spec["edges"] = [{"from": "source", "to": "rollout.in"}, {"from": "rollout", "to": "reward"},
+                     {"from": "reward", "to": "filter"}, {"from": "filter.out", "to": "trainer"},
+                     {"from": "filter.drops", "to": "rollout.drops", "kind": "broadcast", "feedback": True},
+                     {"from": "trainer.out", "to": "sink", "record": True},
+                     {"from": "trainer.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    batches = list(read_batches(tmp_path / "run" / "record" / "trainer.out--sink.in"))
+    indices = [int(b.column("rollout_id")[0].as_py().rsplit("#", 1)[1].split("/")[0]) for b in batches]
+    versions = [sorted({v for row in b.column("policy_version").to_pylist() for v in row if v >= 0})
+                for b in batches]
+    assert indices == [0, 2, 4, 6] and versions == [[0], [0], [1], [1]], "on-policy: the kept groups fill the steps"
+    assert summary["metrics"]["filter/groups_dropped"] == 4
 
 
 def test_a_rollout_whose_groups_all_fail_stops_after_a_steps_worth_not_at_the_end(tiny_chat_model, tmp_path):

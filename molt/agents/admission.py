@@ -3,15 +3,22 @@
 The rollout admits prompt groups one by one and releases finished groups in the order
 they were admitted, so released group j is trained in step j // groups_per_step. A
 group none of whose rollouts succeeded is *lost*: it releases nothing, and the next
-admitted group takes its place in the step. Admission keeps every token within
-``max_staleness`` versions of the trainer: the next group (release position
-``admitted - lost``, counting in-flight groups as if they succeed) starts at engine
-version v only if
+admitted group takes its place in the step. A group that a filter downstream drops
+(DAPO's dynamic sampling, stages.dynamic_sampling) never reaches the trainer either:
+the filter broadcasts its running count of dropped groups back to the rollout
+(`set_dropped`), and the next group takes the dropped one's place. Admission keeps
+every token within ``max_staleness`` versions of the trainer: the next group (its
+position in the trainer's stream ``admitted - lost - dropped``, counting in-flight
+groups as if they succeed and are kept) starts at engine version v only if
 
-    v >= (admitted - lost) // groups_per_step - max_staleness
+    v >= (admitted - lost - dropped) // groups_per_step - max_staleness
+
+A drop the rollout has not heard of yet only makes it wait longer, never admit a
+group too stale.
 
 Example: groups_per_step 2, max_staleness 0: groups 0 and 1 start at version 0, group
-2 waits for version 1; if group 1 is lost, group 2 starts at version 0 (it fills step 0).
+2 waits for version 1; if group 1 is lost, or dropped by the filter, group 2 starts at
+version 0 (it fills step 0).
 """
 
 from __future__ import annotations
@@ -31,13 +38,33 @@ class GroupAdmission(Generic[Group]):
     def __init__(self, groups_per_step: int, max_staleness: int | None) -> None:
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.num_admitted = self.num_released = self.num_lost = 0  # released counts lost ones too
+        self.dropped: dict[int, int] = {}  # filter replica -> this rollout's groups it dropped (`set_dropped`)
         self.finished: dict[int, Group | None] = {}  # by admission index, until released in order
 
     def admissible(self, version: int) -> bool:
         """Whether a group may start at engine ``version``."""
         if self.max_staleness is None:
             return True
-        return version >= (self.num_admitted - self.num_lost) // self.groups_per_step - self.max_staleness
+        position = self.num_admitted - self.num_lost - self.num_dropped
+        return version >= position // self.groups_per_step - self.max_staleness
+
+    @property
+    def num_dropped(self) -> int:
+        """Released groups that filters downstream dropped, as far as their notices have come."""
+        return sum(self.dropped.values())
+
+    def set_dropped(self, filter_replica: int, num_dropped: int) -> None:
+        """Take filter replica ``filter_replica``'s running count of groups it dropped. Counts only
+        grow: an older or repeated notice (one re-sent after a resume) changes nothing."""
+        self.dropped[filter_replica] = max(self.dropped.get(filter_replica, 0), num_dropped)
+
+    async def take_drop_notices(self, port: Any) -> None:
+        """`set_dropped` from every notice waiting on a rollout's ``drops`` input (molt.ports.InputPort,
+        rows of molt.schema.DROP_NOTICE_SCHEMA), without waiting; None: no such input."""
+        if port is not None:
+            await port.drain_nowait()
+            for notice in (row for batch in port.take_ready() for row in batch.to_pylist()):
+                self.set_dropped(notice["filter_replica"], notice["num_groups_dropped"])
 
     def admit(self) -> int:
         """The admission index of a new group."""
@@ -59,8 +86,10 @@ class GroupAdmission(Generic[Group]):
 
     def state_dict(self) -> dict[str, Any]:
         """Counters at a barrier (nothing in flight: every admitted group was released)."""
-        return {"num_groups": self.num_admitted, "num_lost": self.num_lost}
+        return {"num_groups": self.num_admitted, "num_lost": self.num_lost,
+                "num_dropped": {str(r): n for r, n in self.dropped.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_admitted = self.num_released = int(state["num_groups"])
         self.num_lost = int(state.get("num_lost", 0))
+        self.dropped = {int(r): int(n) for r, n in state.get("num_dropped", {}).items()}

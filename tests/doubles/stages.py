@@ -351,3 +351,18 @@ class LosesPromptOneEnv:
         if self.seen[self.question] == 1:
             raise RuntimeError("grader down for this prompt")
         return Result(reward=1.0, terminated=True)
+
+
+class FlatOddGroups(Transform):
+    """Adds ``reward``: 0 for every rollout of a group with an odd admission index (flat: a group
+    filter drops it), else k % 2 for rollout k (varied). Rollout ids are ``{prompt}#{index}/{k}``."""
+
+    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("rollout_id",))}
+    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=("reward",))}
+
+    def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        from molt.schema import COLUMNS
+
+        index_k = [rid.rsplit("#", 1)[1].split("/") for rid in batch.column("rollout_id").to_pylist()]
+        values = [0.0 if int(i) % 2 else float(int(k) % 2) for i, k in index_k]
+        return batch.append_column(COLUMNS["reward"], pa.array(values, pa.float32()))
