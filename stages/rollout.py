@@ -9,7 +9,7 @@ failure stops the run); streamed ones (nccl) are taken until the broadcast ends,
 counters and the engine's version, which a resumed rollout waits for. A rollout whose env or agent raises, or whose
 prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost (``groups_lost``) and
 the next takes its place; if none succeeds (checked once a step's worth of groups is lost, and at the end) the stage
-fails. A dead engine is restarted and its groups run again (molt.engines.restart).
+fails. A dead or hung engine is restarted and its groups run again (molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -196,5 +196,5 @@ class Rollout(Service):
             self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
-        for part in (p for p in (getattr(self, "server", None), getattr(self, "engine", None)) if p is not None):
+        for part in filter(None, (getattr(self, name, None) for name in ("restarter", "server", "engine"))):
             part.close()

@@ -372,14 +372,14 @@ class Dying(TransformersEngine):
         super().__init__(*a, **k)
         self.die_after, self.requests = die_after, 0
 
-    async def generate(self, request_id, prompt_token_ids, params, images=()):
+    async def _generate(self, request_id, prompt_token_ids, params, images=()):
         from molt.engines.base import EngineDeadError
 
         self.requests += 1
         await asyncio.sleep(0.01)  # the others are in flight when it dies
         if self.requests > self.die_after:
             raise EngineDeadError(f"request {request_id!r}: the engine core died (a test double)")
-        return await super().generate(request_id, prompt_token_ids, params, images)
+        return await super()._generate(request_id, prompt_token_ids, params, images)
 
 
 class Weights:
@@ -396,7 +396,8 @@ class Weights:
         return record
 
 
-def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts, deaths=1):
+def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts, deaths=1, broken=Dying,
+                                hang_s=300.0):
     import pyarrow as pa
 
     import stages.rollout as rollout_stage
@@ -408,7 +409,7 @@ def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_rest
     started = []
 
     def make_engine(config, model_dir, where, replica, seed):
-        started.append(Dying(model_dir, die_after=3) if len(started) < deaths else TransformersEngine(model_dir))
+        started.append(broken(model_dir) if len(started) < deaths else TransformersEngine(model_dir))
         return started[-1]
 
     monkeypatch.setattr(rollout_stage, "make_engine", make_engine)
@@ -425,7 +426,8 @@ def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_rest
     outbox.send = lambda batch: asyncio.sleep(0, sent.append(batch))
     config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,
                                           max_new_tokens=3, weights_input=True, groups_per_step=2, max_staleness=1,
-                                          max_concurrent_groups=4, engine_restarts={"max": max_restarts})
+                                          max_concurrent_groups=4,
+                                          engine_restarts={"max": max_restarts, "hang_s": hang_s})
     ctx = StageContext("rollout", inputs={"in": Inbox([prompts, None], [], "in"), "weights": Weights(record)},
                        outputs={"out": outbox})
     stage = rollout_stage.Rollout(config, ctx)
@@ -453,3 +455,79 @@ def test_an_engine_dying_more_often_than_allowed_fails_the_rollout_naming_why(ti
     with pytest.raises(RuntimeError, match=r"the engine died and is not restarted \(1 deaths within 600 s, over "
                                            r"engine_restarts.max 0\): request .*the engine core died"):
         rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=0)
+
+
+class Hanging(TransformersEngine):
+    """An engine whose core stops (as a SIGSTOPped one) once ``hang_after`` requests came: those in flight
+    and all later ones wait for ever, and nothing fails them."""
+
+    def __init__(self, *a, hang_after=3, **k):
+        super().__init__(*a, **k)
+        self.hang_after, self.requests = hang_after, 0
+
+    async def _generate(self, request_id, prompt_token_ids, params, images=()):
+        self.requests += 1
+        await asyncio.sleep(0.01)  # the others are in flight when it stops
+        if self.requests > self.hang_after:
+            await asyncio.Event().wait()
+        return await super()._generate(request_id, prompt_token_ids, params, images)
+
+
+@pytest.mark.timeout(60)  # without the hang check the rollout would wait for ever
+def test_a_hung_engine_is_killed_restarted_and_every_group_is_sent_once(tiny_chat_model, tmp_path, monkeypatch):
+    stage, started, rows = rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=2,
+                                                       broken=Hanging, hang_s=1.0)
+    assert len(started) == 2 and started[0].requests == 8, "all 4 groups x 2 rollouts hung on the first engine"
+    assert re.fullmatch(r"the engine hung: no output for [12] s with 8 requests or refits in flight", started[0].killed)
+    assert started[0].num_in_flight == 0 and started[1].policy_version == 1
+    assert sorted(r["sample_id"] for r in rows) == sorted({r["sample_id"] for r in rows}) and len(rows) == 8
+    assert sorted(r["prompt_id"] for r in rows) == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"]
+    counters = stage.metrics.counters
+    assert counters["engine_hangs"] == 1 and counters["engine_restarts"] == 1 and counters["groups_retried"] == 4
+
+
+def test_an_idle_engine_is_never_hung_and_a_busy_silent_one_is_killed(tiny_chat_model):
+    import logging
+
+    from molt.engines.base import EngineDeadError
+    from molt.engines.restart import EngineRestarter, RestartConfig
+    from molt.metrics import MetricsWriter
+
+    engine = Hanging(str(tiny_chat_model), hang_after=0)
+    restarter = EngineRestarter(RestartConfig(hang_s=1.0), lambda: engine, logging.getLogger("test"),
+                                MetricsWriter(None, "rollout", 0))
+
+    async def main():
+        engine.last_output_s -= 1000  # 1000 s since its last output, with nothing in flight
+        assert engine.stalled_s() == 0.0 and not restarter.check_hung() and engine.killed is None
+        request = asyncio.create_task(engine.generate("r0", [1, 2], SamplingParams(max_new_tokens=2)))
+        await asyncio.sleep(0.05)  # in flight, hung; the idle 1000 s before it do not count
+        assert engine.num_in_flight == 1 and engine.stalled_s() < 1.0 and not restarter.check_hung()
+        engine.last_output_s -= 1000
+        assert restarter.check_hung() and not restarter.check_hung(), "killed once"
+        with pytest.raises(EngineDeadError, match=r"^request 'r0': the engine hung: no output for 1000 s with 1 "
+                                                  r"requests or refits in flight$"):
+            await request
+        with pytest.raises(EngineDeadError, match=r"^request 'r1': the engine hung"):
+            await engine.generate("r1", [1, 2], SamplingParams(max_new_tokens=2))
+        assert engine.num_in_flight == 0 and restarter.metrics.counters == {"engine_hangs": 1}
+
+    asyncio.run(main())
+
+
+class StuckInARefit(TransformersEngine):
+    """An engine whose core stops (as a SIGSTOPped one) while it loads weights: the load never returns."""
+
+    async def load_weights(self, path, version):
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(60)  # a refit in flight on a dead engine waited for ever (vLLM never answers its RPC)
+def test_an_engine_that_hangs_in_a_refit_is_restarted_with_the_weights_it_was_loading(tiny_chat_model, tmp_path,
+                                                                                     monkeypatch):
+    stage, started, rows = rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=2,
+                                                       broken=StuckInARefit, hang_s=0.5)
+    assert len(started) == 2 and started[0].killed.startswith("the engine hung: no output for")
+    assert started[0].policy_version == 0 and started[1].policy_version == 1, "the record it was loading"
+    assert len(rows) == 8 and {v for r in rows for v, m in zip(r["policy_version"], r["loss_mask"]) if m} == {1}
+    assert stage.metrics.counters["engine_hangs"] == 1 and stage.metrics.counters["engine_restarts"] == 1

@@ -20,16 +20,19 @@ untempered distribution, `log_softmax(logits)[token]`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any, Literal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +134,8 @@ def check_prompt(request_id: str, prompt_token_ids: list[int]) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine's process died (killed, crashed, out of memory): every request in flight and
-    every later one fails with it; a rollout restarts the engine (molt.engines.restart)."""
+    """The engine's process died (killed, crashed, out of memory) or it hung and was `Engine.kill`ed: every
+    request in flight and every later one fails with it; a rollout restarts the engine (molt.engines.restart)."""
 
 
 class Engine(abc.ABC):
@@ -146,12 +149,28 @@ class Engine(abc.ABC):
     at a safe point between decode steps; in-flight completions continue on the
     new weights and their later tokens carry the new version; no prefix-cache
     entry computed with older weights is reused afterwards.
+
+    Progress and death: `generate`, and any other work a caller hands to `tracked` (a refit),
+    is *in flight* (`num_in_flight`); `last_output_s` is stamped when a piece of it ends, when
+    work reaches an idle engine, and whenever a subclass reports an output (`note_output`, e.g.
+    per decoded token); `stalled_s` is how long a busy engine has gone without one. `kill` makes
+    the engine dead: its processes are killed and all work in flight fails with
+    `EngineDeadError`; so does the first `EngineDeadError` any of it meets, since other work may
+    never hear of the death (vLLM leaves an RPC to a dead engine core waiting for ever). A
+    rollout kills one stalled too long (molt.engines.restart). Subclasses implement `_generate`
+    and call ``super().__init__()``.
     """
 
-    @abc.abstractmethod
+    dead_errors: tuple[type[Exception], ...] = (EngineDeadError,)  # what work meets when the engine died
+
+    def __init__(self) -> None:
+        self.last_output_s = time.monotonic()  # time.monotonic() seconds of the last output (see class docstring)
+        self.killed: str | None = None  # why the engine is dead (`kill`); None while alive
+        self._tasks_in_flight: set[asyncio.Task[Any]] = set()  # the tasks awaiting `tracked` work
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
-        """Sample one completion of `prompt_token_ids` [P].
+        """Sample one completion of `prompt_token_ids` [P] (`_generate`, `tracked`).
 
         ``images``: encoded images (PNG/JPEG bytes) of a vision-language model's prompt,
         in order; ``prompt_token_ids`` hold each image's image tokens (their count per image:
@@ -160,8 +179,70 @@ class Engine(abc.ABC):
         Raises:
             ValueError: for an empty prompt, a request id already in flight, or image
                 tokens that do not match ``images`` (or images for a text-only engine).
-            RuntimeError: if the engine is closed or has died.
+            EngineDeadError: if the engine died or was killed, before or while the request ran.
+            RuntimeError: if the engine is closed.
         """
+        return await self.tracked(f"request {request_id!r}",
+                                  lambda: self._generate(request_id, prompt_token_ids, params, images))
+
+    async def tracked(self, what: str, work: Callable[[], Awaitable[T]]) -> T:
+        """``await work()`` in flight on this engine (class docstring), in the current task.
+
+        Raises:
+            EngineDeadError: naming ``what``, when the engine is or becomes dead.
+        """
+        if self.killed is not None:
+            raise EngineDeadError(f"{what}: {self.killed}")
+        task = asyncio.current_task()
+        assert task is not None, "engine work runs in a task"
+        if not self._tasks_in_flight:  # an idle engine's silence is no stall
+            self.note_output()
+        self._tasks_in_flight.add(task)
+        try:
+            result = await work()
+        except self.dead_errors as error:
+            if self.killed is None:  # the first to meet the death: the rest of the work must hear of it
+                self.kill(f"the engine died ({error})")
+            raise EngineDeadError(f"{what}: {self.killed}") from error
+        except (Exception, asyncio.CancelledError) as error:
+            if self.killed is None:
+                raise
+            if isinstance(error, asyncio.CancelledError):  # kill's cancel, turned into the engine's death
+                task.uncancel()
+            raise EngineDeadError(f"{what}: {self.killed}") from error
+        finally:
+            self._tasks_in_flight.discard(task)
+        self.note_output()
+        return result
+
+    @abc.abstractmethod
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
+        """`generate` without the bookkeeping of work in flight; raises as `generate` documents."""
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests and other work (refits) in flight now."""
+        return len(self._tasks_in_flight)
+
+    def note_output(self) -> None:
+        """Record that the engine produced an output now (stamps `last_output_s`)."""
+        self.last_output_s = time.monotonic()
+
+    def stalled_s(self) -> float:
+        """Seconds a busy engine has gone without an output (class docstring); 0.0 when idle."""
+        return time.monotonic() - self.last_output_s if self._tasks_in_flight else 0.0
+
+    def kill(self, why: str) -> None:
+        """Make the engine dead: its processes are killed (`_kill_processes`), every piece of work in
+        flight (in other tasks) and every later one raises `EngineDeadError` naming ``why``."""
+        self.killed = why
+        self._kill_processes()
+        for task in self._tasks_in_flight - {asyncio.current_task()}:
+            task.cancel()
+
+    def _kill_processes(self) -> None:
+        """SIGKILL the processes the engine runs in, if any (a stopped one too); none here."""
 
     @abc.abstractmethod
     async def pause(self) -> None:

@@ -89,6 +89,7 @@ class TransformersEngine(Engine):
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", policy_version: int = 0, record_routing: bool = False,
                  seed: int | None = None) -> None:
+        super().__init__()
         self.vision = VisionProcessor.of(model) if isinstance(model, str) else None
         self._checkpoint_shapes = checkpoint_shapes(model) if isinstance(model, str) else {}
         if isinstance(model, str):
@@ -117,9 +118,9 @@ class TransformersEngine(Engine):
             for router in found:
                 router.register_forward_hook(lambda module, args, output: self._routed.append(output[2]))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
-        """Sample one completion token by token; see `Engine.generate`.
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
+        """Sample one completion token by token (each one an output: `Engine.note_output`); see `Engine.generate`.
 
         Raises:
             ValueError: also for ``images`` given to a text-only model or not matching the prompt's
@@ -175,6 +176,7 @@ class TransformersEngine(Engine):
             completion.token_ids.append(token)
             completion.logprobs.append(logprob)
             completion.policy_versions.append(version)
+            self.note_output()
             reason = _finish_reason(token, len(completion.token_ids), stop_ids, request.params)
             if reason is not None:
                 completion.finish_reason = reason

@@ -39,6 +39,7 @@ replaying recorded trajectories or from the transformers engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -108,6 +109,10 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        super().__init__()
+        self.dead_errors = (MoltEngineDead, EngineDeadError)  # what a request or an RPC meets (Engine.tracked)
         self._model_dir = Path(model)
         self.vision = VisionProcessor.of(model)  # None for a text-only model
         if self.vision is not None:
@@ -147,17 +152,16 @@ class VLLMEngine(Engine):
             text = self._llm.model_config.hf_text_config
             self.routing_shape = (int(text.num_hidden_layers), int(text.num_experts_per_tok))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
-        """Sample one completion; see `Engine.generate` and the module docstring.
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
+        """Sample one completion; see `Engine.generate` and the module docstring. Each output AsyncLLM
+        yields is progress (`Engine.note_output`); with ``FINAL_ONLY`` that is the request's end.
 
         Images: vLLM expands one placeholder per image itself, so each image's run of
         tokens is collapsed to one for the request, and the prompt vLLM reports back
         must equal ``prompt_token_ids`` (else RuntimeError: vLLM's expansion differs).
         """
         from vllm.inputs import TokensPrompt
-
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         check_prompt(request_id, prompt_token_ids)
         engine_ids = list(prompt_token_ids)
@@ -183,9 +187,7 @@ class VLLMEngine(Engine):
         try:
             async for output in llm.generate(prompt, self._vllm_params(params), request_id):
                 final = output
-        except EngineDeadError as error:
-            raise MoltEngineDead(f"request {request_id!r}: the vLLM engine core died; see the "
-                                 "EngineCore lines of the log for its traceback") from error
+                self.note_output()
         finally:
             self._in_flight.discard(request_id)
         if images and final is not None and list(final.prompt_token_ids or ()) != list(prompt_token_ids):
@@ -358,7 +360,7 @@ class VLLMEngine(Engine):
                 if not self._in_flight:  # vLLM cannot clear blocks held by requests
                     await llm.reset_prefix_cache()
             finally:
-                if not self._user_paused:
+                if not self._user_paused and self.killed is None:  # a dead core would never answer
                     await llm.resume_generation()
             self.last_load_seconds = time.perf_counter() - start
             self.last_weight_digests = _same_digests(results)
@@ -380,6 +382,18 @@ class VLLMEngine(Engine):
             llm, self._llm = self._llm, None
             llm.shutdown()
             logger.info("vLLM engine closed")
+
+    def _kill_processes(self) -> None:
+        """SIGKILL vLLM's engine core process(es) and their children (workers), stopped ones too; vLLM's
+        monitor thread then sees the core gone and fails every request with its EngineDeadError."""
+        import psutil
+
+        manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
+        cores = [psutil.Process(p.pid) for p in getattr(manager, "processes", ()) if p.exitcode is None]  # not reaped
+        for process in [child for core in cores for child in core.children(recursive=True)] + cores:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        logger.warning("killed vLLM's engine core (pids %s) and its child processes", [c.pid for c in cores])
 
     def _check_open(self) -> AsyncLLM:
         """The AsyncLLM, or RuntimeError if the engine is closed."""
