@@ -373,13 +373,16 @@ class Dying(TransformersEngine):
         self.die_after, self.requests = die_after, 0
 
     async def _generate(self, request_id, prompt_token_ids, params, images=()):
-        from molt.engines.base import EngineDeadError
-
         self.requests += 1
         await asyncio.sleep(0.01)  # the others are in flight when it dies
         if self.requests > self.die_after:
-            raise EngineDeadError(f"request {request_id!r}: the engine core died (a test double)")
+            await self.break_down(request_id)
         return await super()._generate(request_id, prompt_token_ids, params, images)
+
+    async def break_down(self, request_id):
+        from molt.engines.base import EngineDeadError
+
+        raise EngineDeadError(f"request {request_id!r}: the engine core died (a test double)")
 
 
 class Weights:
@@ -457,20 +460,12 @@ def test_an_engine_dying_more_often_than_allowed_fails_the_rollout_naming_why(ti
         rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts=0)
 
 
-class Hanging(TransformersEngine):
-    """An engine whose core stops (as a SIGSTOPped one) once ``hang_after`` requests came: those in flight
-    and all later ones wait for ever, and nothing fails them."""
+class Hanging(Dying):
+    """An engine whose core stops (as a SIGSTOPped one) after ``die_after`` requests: those in flight and all
+    later ones wait for ever, and nothing fails them."""
 
-    def __init__(self, *a, hang_after=3, **k):
-        super().__init__(*a, **k)
-        self.hang_after, self.requests = hang_after, 0
-
-    async def _generate(self, request_id, prompt_token_ids, params, images=()):
-        self.requests += 1
-        await asyncio.sleep(0.01)  # the others are in flight when it stops
-        if self.requests > self.hang_after:
-            await asyncio.Event().wait()
-        return await super()._generate(request_id, prompt_token_ids, params, images)
+    async def break_down(self, request_id):
+        await asyncio.Event().wait()
 
 
 @pytest.mark.timeout(60)  # without the hang check the rollout would wait for ever
@@ -493,7 +488,7 @@ def test_an_idle_engine_is_never_hung_and_a_busy_silent_one_is_killed(tiny_chat_
     from molt.engines.restart import EngineRestarter, RestartConfig
     from molt.metrics import MetricsWriter
 
-    engine = Hanging(str(tiny_chat_model), hang_after=0)
+    engine = Hanging(str(tiny_chat_model), die_after=0)
     restarter = EngineRestarter(RestartConfig(hang_s=1.0), lambda: engine, logging.getLogger("test"),
                                 MetricsWriter(None, "rollout", 0))
 
