@@ -321,7 +321,8 @@ def _endpoint(ref: str, stages: dict[str, StageNode], out: bool, where: str) -> 
         port = next(iter(ports))
     if port not in ports:
         raise ValueError(f"{where}: stage {sid!r} has no {'output' if out else 'input'} {port!r}; "
-                         f"it has {sorted(ports)}")
+                         f"it has {sorted(ports)}; hint: some ports exist only when the stage's config turns them "
+                         "on (weights_input, drops_input, notify_drops)")
     return sid, port
 
 

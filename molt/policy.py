@@ -3,9 +3,10 @@
     policy: {precision: float32, temperature: 0.8}
 
 `check_group_filters` refuses a group filter under a staleness bound (``max_staleness``, a
-policy fact the rollout and trainer share) whose drops the rollout does not hear of. A stage config field declared with `policy_field` names the fact it holds. Where the YAML
-leaves it unset, it takes the block's value when the pipeline loads (`apply_policy`); where
-the YAML sets it (an override), the value is checked against the block:
+policy fact the rollout and trainer share) whose drops the rollout does not hear of. A stage
+config field declared with `policy_field` names the fact it holds. Where the YAML leaves it
+unset, it takes the block's value when the pipeline loads (`apply_policy`); where the YAML sets
+it (an override), the value is checked against the block:
 
 - ``temperature``: the trainer computes the logprobs of the distribution the engine sampled
   from (``rollout_logprobs`` are after temperature), so every stated value must be the same;
@@ -120,9 +121,9 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
 def check_group_filters(pipe: Pipeline) -> None:
     """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
     bound (``max_staleness`` set) unless the filter's ``drops`` output reaches that stage's ``drops``
-    input: without the notices it counts a dropped group as trained and waits for a version that
-    never comes (a deadlock seen with max_staleness 0, two groups a step and one flat group). A
-    notice does not say which replica made the group, so such a stage must have one replica."""
+    input over a broadcast edge: without the notices it counts a dropped group as trained and waits
+    for a version that never comes (a deadlock seen with max_staleness 0, two groups a step and one
+    flat group). A notice does not say which rollout made the group, so one replica may be bounded."""
     for sid, n in pipe.stages.items():
         if not n.cls.drops_groups:
             continue
@@ -130,17 +131,19 @@ def check_group_filters(pipe: Pipeline) -> None:
         frontier = {sid}
         while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
             upstream |= frontier
-        for up in sorted(upstream):
-            if (bound := getattr(pipe.stages[up].config, "max_staleness", None)) is None:
-                continue
-            where = (f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which admits "
-                     f"groups under stages.{up}.config.max_staleness {bound}")
-            if not any(e.src == sid and e.src_port == "drops" and e.dst == up for e in pipe.edges):
-                raise ValueError(f"{where}: without notices of the drops it counts a dropped group as trained and "
-                                 f"would wait for a version that never comes; hint: stages.{sid}.config.notify_drops"
-                                 f": true, stages.{up}.config.drops_input: true and the edge {{from: {sid}.drops, "
-                                 f"to: {up}.drops, kind: broadcast, feedback: true}}")
-            if pipe.stages[up].replicas > 1:
-                raise ValueError(f"{where} with {pipe.stages[up].replicas} replicas: a drop notice does not say "
-                                 f"which replica made the group; hint: replicas: 1 on stages.{up}, or "
-                                 f"max_staleness: null on it (the train stage still refuses stale tokens)")
+        bounds = {up: getattr(pipe.stages[up].config, "max_staleness", None) for up in sorted(upstream)}
+        bounded = {up: bound for up, bound in bounds.items() if bound is not None}
+        for up, bound in bounded.items():
+            if not any(e.src == sid and e.src_port == "drops" and e.dst == up and e.dst_port == "drops" and
+                       e.cfg.kind == "broadcast" for e in pipe.edges):
+                raise ValueError(
+                    f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which admits groups "
+                    f"under stages.{up}.config.max_staleness {bound}: without notices of the "
+                    f"drops it counts a dropped group as trained and would wait for a version that never comes; "
+                    f"hint: stages.{sid}.config.notify_drops: true, stages.{up}.config.drops_input: true and the "
+                    f"edge {{from: {sid}.drops, to: {up}.drops, kind: broadcast, feedback: true}}")
+        if (replicas := sum(pipe.stages[up].replicas for up in bounded)) > 1:
+            raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups made by {replicas} rollout replicas "
+                             f"under a max_staleness bound ({', '.join(f'stages.{u}' for u in bounded)}): a drop "
+                             "notice does not say which one made the group; hint: one bounded replica, or "
+                             "max_staleness: null (the train stage still refuses stale tokens)")

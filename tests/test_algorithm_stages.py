@@ -116,11 +116,14 @@ def test_dynamic_sampling_under_a_bounded_staleness_rollout_needs_the_drops_edge
         Pipeline.from_spec(data)
     data["stages"]["filter"]["config"] = {"notify_drops": True}
     data["stages"]["rollout"]["config"]["drops_input"] = True
-    data["edges"].append({"from": "filter.drops", "to": "rollout.drops", "kind": "broadcast", "feedback": True})
+    data["edges"].append({"from": "filter.drops", "to": "rollout.drops", "feedback": True})  # a stream edge
+    with pytest.raises(ValueError, match=r"without notices of the drops"):
+        Pipeline.from_spec(data)
+    data["edges"][-1]["kind"] = "broadcast"
     assert "filter" in Pipeline.from_spec(data).stages
     data["stages"]["rollout"]["replicas"] = 2
-    with pytest.raises(ValueError, match=r"max_staleness 0 with 2 replicas: a drop notice does not say which "
-                                         r"replica made the group"):
+    with pytest.raises(ValueError, match=r"stages.filter drops whole groups made by 2 rollout replicas under a "
+                                         r"max_staleness bound \(stages.rollout\): a drop notice does not say"):
         Pipeline.from_spec(data)
     data["stages"]["rollout"]["config"]["max_staleness"] = None
     assert "filter" in Pipeline.from_spec(data).stages

@@ -150,15 +150,13 @@ class Engine(abc.ABC):
     new weights and their later tokens carry the new version; no prefix-cache
     entry computed with older weights is reused afterwards.
 
-    Progress and death: `generate`, and any other work a caller hands to `tracked` (a refit),
-    is *in flight* (`num_in_flight`); `last_output_s` is stamped when a piece of it ends, when
-    work reaches an idle engine, and whenever a subclass reports an output (`note_output`, e.g.
-    per decoded token); `stalled_s` is how long a busy engine has gone without one. `kill` makes
-    the engine dead: its processes are killed and all work in flight fails with
-    `EngineDeadError`; so does the first `EngineDeadError` any of it meets, since other work may
-    never hear of the death (vLLM leaves an RPC to a dead engine core waiting for ever). A
-    rollout kills one stalled too long (molt.engines.restart). Subclasses implement `_generate`
-    and call ``super().__init__()``.
+    Progress and death: `generate`, and other work handed to `tracked` (a refit), is *in flight*
+    (`num_in_flight`); `last_output_s` is stamped when a piece of it ends, when work reaches an idle
+    engine, and at each output a subclass reports (`note_output`); `stalled_s` is how long a busy
+    engine has gone without one. `kill` makes the engine dead: its processes are killed and all work
+    in flight fails with `EngineDeadError`; so does the first death any of it meets, since other work
+    may never hear of it (vLLM leaves an RPC to a dead engine core waiting for ever). A rollout kills
+    one stalled too long (molt.engines.restart). Subclasses implement `_generate`, call ``super().__init__()``.
     """
 
     dead_errors: tuple[type[Exception], ...] = (EngineDeadError,)  # what work meets when the engine died
@@ -167,6 +165,7 @@ class Engine(abc.ABC):
         self.last_output_s = time.monotonic()  # time.monotonic() seconds of the last output (see class docstring)
         self.killed: str | None = None  # why the engine is dead (`kill`); None while alive
         self._tasks_in_flight: set[asyncio.Task[Any]] = set()  # the tasks awaiting `tracked` work
+        self._cancelled: set[asyncio.Task[Any]] = set()  # those `kill` cancelled
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
@@ -200,18 +199,17 @@ class Engine(abc.ABC):
         self._tasks_in_flight.add(task)
         try:
             result = await work()
-        except self.dead_errors as error:
-            if self.killed is None:  # the first to meet the death: the rest of the work must hear of it
-                self.kill(f"the engine died ({error})")
-            raise EngineDeadError(f"{what}: {self.killed}") from error
         except (Exception, asyncio.CancelledError) as error:
-            if self.killed is None:
-                raise
-            if isinstance(error, asyncio.CancelledError):  # kill's cancel, turned into the engine's death
+            if killed_here := task in self._cancelled:  # kill's cancel, which becomes the engine's death
                 task.uncancel()
+            if isinstance(error, self.dead_errors) and self.killed is None:  # the rest must hear of it
+                self.kill(f"the engine died ({error})")
+            if self.killed is None or isinstance(error, asyncio.CancelledError) and not killed_here:
+                raise  # not the engine's death (a cancel from elsewhere stays a cancel)
             raise EngineDeadError(f"{what}: {self.killed}") from error
         finally:
             self._tasks_in_flight.discard(task)
+            self._cancelled.discard(task)
         self.note_output()
         return result
 
@@ -237,9 +235,12 @@ class Engine(abc.ABC):
         """Make the engine dead: its processes are killed (`_kill_processes`), every piece of work in
         flight (in other tasks) and every later one raises `EngineDeadError` naming ``why``."""
         self.killed = why
-        self._kill_processes()
-        for task in self._tasks_in_flight - {asyncio.current_task()}:
-            task.cancel()
+        try:
+            self._kill_processes()
+        finally:
+            self._cancelled = self._tasks_in_flight - {asyncio.current_task()}
+            for task in self._cancelled:
+                task.cancel()
 
     def _kill_processes(self) -> None:
         """SIGKILL the processes the engine runs in, if any (a stopped one too); none here."""

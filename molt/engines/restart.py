@@ -16,9 +16,12 @@ A hung engine (a deadlocked or stopped engine core) is made dead: every ``hang_s
 5) ``hang_loop`` asks the current engine how long it has had work in flight without an output
 (`Engine.stalled_s`); at ``hang_s`` or more it counts ``engine_hangs``, warns, and `Engine.kill`s it
 (vLLM: SIGKILL to its engine core and workers), which fails its work with `EngineDeadError`: it is
-restarted as a dead one, within the same ``max``. An idle engine is never hung. vLLM reports a request's
-output only when it ends, so ``hang_s`` must exceed the longest completion that can be alone in flight;
-the run's ``watchdog_s`` (molt.runner) must exceed ``hang_s`` and a restart, or it stops the run first.
+restarted as a dead one, within the same ``max``. An idle engine is never hung, nor one that takes
+streamed refits (its refit waits for the slowest peer, and it cannot be restarted). vLLM reports a
+request's output only when it ends, so ``hang_s`` must exceed the longest time between two completions
+(a batch of long ones started together); the run's ``watchdog_s`` (molt.runner) must exceed ``hang_s``
+and a restart, or it stops the run first. A new engine that dies or hangs while it loads the weights
+is one more death, and is replaced in turn.
 
 Example: ``engine_restarts: {max: 2, window_s: 600, hang_s: 300}`` (the rollout stage's key, the default):
 an engine with 8 requests in flight and no output for 300 s is killed, restarted, its groups run again; a
@@ -32,17 +35,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.engines.base import Engine, EngineDeadError
+from molt.engines.base import Engine, EngineDeadError, T
 from molt.engines.weights import refit_from
 from molt.metrics import MetricsWriter
-
-T = TypeVar("T")
-
 
 class RestartConfig(BaseModel):
     """How often a dead engine is restarted, and when a silent one is hung (rollout key ``engine_restarts``)."""
@@ -66,6 +66,7 @@ class EngineRestarter:
         self.holders: list[Any] = []  # objects whose ``engine`` attribute follows the current engine
         self.weights: pa.RecordBatch | None = None  # the newest weight record loaded or loading: a new engine's
         self.restarting = False
+        self.starting: Engine | None = None  # the new engine while a restart brings it to the newest weights
         self._times: list[float] = []
         self._refused: RuntimeError | None = None
         self._lock = asyncio.Lock()
@@ -119,7 +120,8 @@ class EngineRestarter:
                 self.metrics.count("groups_retried")
 
     async def restart(self, generation: int, error: EngineDeadError) -> Engine:
-        """The engine to retry on: a new one at the dead one's version (`refit` of the last record).
+        """The engine to retry on: a new one at the newest weights (`refit` of the remembered record);
+        a new one that dies (or hangs) while it loads them is one more death, and is replaced in turn.
 
         Raises:
             RuntimeError: over ``max`` restarts within ``window_s``, or an engine taking streamed
@@ -130,35 +132,44 @@ class EngineRestarter:
                 raise self._refused
             if generation != self.generation:  # another group restarted it already
                 return self.engine
-            now = time.monotonic()
-            self._times = [t for t in self._times if now - t < self.config.window_s] + [now]
-            if len(self._times) > self.config.max or self.engine.streams_weights:
-                why = ("it takes streamed refits, which cannot be repeated" if self.engine.streams_weights else
-                       f"{len(self._times)} deaths within {self.config.window_s:.0f} s, over engine_restarts.max "
-                       f"{self.config.max}")
-                self._refused = RuntimeError(f"the engine died and is not restarted ({why}): {error}")
-                raise self._refused from error
-            version = self.engine.policy_version
-            self.log.warning("the engine died (%s); restarting it (restart %d within %.0f s) at version %d and "
-                             "retrying the groups it had in flight", error, len(self._times), self.config.window_s,
-                             version)
-            with contextlib.suppress(Exception):  # it is dead: closing is only tidying up
-                self.engine.close()
+            dead, now = self.engine, time.monotonic()
             self.restarting = True  # the rollout's own refits wait: they would load into the dead engine
             try:
-                engine = self.start()  # synchronous: vLLM's start holds the event loop (tens of seconds)
-                if self.weights is not None:  # at the newest version before anyone generates on it
-                    await self.refit(self.weights, engine)
+                while True:
+                    self._count_death(dead, error)
+                    with contextlib.suppress(Exception):  # it is dead: closing is only tidying up
+                        dead.close()
+                    engine = self.starting = self.start()  # synchronous: vLLM's start holds the loop (tens of s)
+                    try:
+                        if self.weights is not None:  # at the newest version before anyone generates on it
+                            await self.refit(self.weights, engine)
+                        break
+                    except EngineDeadError as again:
+                        dead, error = engine, again
             finally:
-                self.restarting = False
+                self.restarting, self.starting = False, None
             self.engine = engine
             for holder in self.holders:
-                holder.engine = engine
+                holder.engine = self.engine
             self.generation += 1
-            self.metrics.count("engine_restarts")
             self.log.info("engine restarted in %.1f s at version %d", time.monotonic() - now,
                           self.engine.policy_version)
             return self.engine
+
+    def _count_death(self, dead: Engine, error: EngineDeadError) -> None:
+        """Count one more restart (``engine_restarts``) within ``window_s``, or refuse it (`restart`)."""
+        now = time.monotonic()
+        self._times = [t for t in self._times if now - t < self.config.window_s] + [now]
+        if len(self._times) > self.config.max or dead.streams_weights:
+            why = ("it takes streamed refits, which cannot be repeated" if dead.streams_weights else
+                   f"{len(self._times)} deaths within {self.config.window_s:.0f} s, over engine_restarts.max "
+                   f"{self.config.max}")
+            self._refused = RuntimeError(f"the engine died and is not restarted ({why}): {error}")
+            raise self._refused from error
+        self.metrics.count("engine_restarts")
+        self.log.warning("the engine died (%s); restarting it (restart %d within %.0f s; it was at version %d) and "
+                         "retrying the groups it had in flight", error, len(self._times), self.config.window_s,
+                         dead.policy_version)
 
     def _watch(self) -> None:
         """Start ``hang_loop`` once, in the running event loop (before the first refit or group)."""
@@ -174,10 +185,11 @@ class EngineRestarter:
 
     def check_hung(self) -> bool:
         """`Engine.kill` the current engine if it is hung (``hang_s``, module docstring); True if it was."""
-        engine, hang_s = self.engine, self.config.hang_s
-        if hang_s is None or engine.killed is not None or (stalled_s := engine.stalled_s()) < hang_s:
+        engine, hang_s = self.starting or self.engine, self.config.hang_s  # a new one may hang in its first refit
+        if hang_s is None or engine.killed is not None or engine.streams_weights or \
+                (stalled_s := engine.stalled_s()) < hang_s:  # a streamed refit waits for its slowest peer
             return False
-        why = f"the engine hung: no output for {stalled_s:.0f} s with {engine.num_in_flight} requests or refits in flight"
+        why = f"the engine hung: no output for {stalled_s:.0f} s, {engine.num_in_flight} requests or refits in flight"
         self.log.warning("%s (engine_restarts.hang_s %g); killing it to restart it", why, hang_s)
         self.metrics.count("engine_hangs")
         engine.kill(why)

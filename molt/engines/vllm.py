@@ -389,11 +389,13 @@ class VLLMEngine(Engine):
         import psutil
 
         manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
-        cores = [psutil.Process(p.pid) for p in getattr(manager, "processes", ()) if p.exitcode is None]  # not reaped
-        for process in [child for core in cores for child in core.children(recursive=True)] + cores:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        logger.warning("killed vLLM's engine core (pids %s) and its child processes", [c.pid for c in cores])
+        for core in (p for p in getattr(manager, "processes", ()) if p.exitcode is None):  # not reaped: its pid
+            with contextlib.suppress(psutil.Error):  # gone meanwhile (vLLM's monitor reaps it)
+                root = psutil.Process(core.pid)
+                for process in [*root.children(recursive=True), root]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+                logger.warning("killed vLLM's engine core (pid %d) and its child processes", core.pid)
 
     def _check_open(self) -> AsyncLLM:
         """The AsyncLLM, or RuntimeError if the engine is closed."""
