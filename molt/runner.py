@@ -121,8 +121,12 @@ class Runner:
             from molt.placement_ray import RayBackend
 
             self.backend = RayBackend(placement, self.pipe)
-        else:
+        else:  # checked here, not at load: a worker pinned to its CPUs loads the saved pipeline too
             self.backend = LocalBackend()
+            for sid, node in self.pipe.stages.items():
+                if missing := sorted(set(node.cpus or ()) - os.sched_getaffinity(0)):
+                    raise PlacementError(sid, f"{self.pipe.source}: stages.{sid}.cpus: CPU {missing[0]} is not "
+                                         f"available; this machine offers {sorted(os.sched_getaffinity(0))}")
         # after the backend, which removes it (`run`); one that failed to start has nothing to clean
         self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
         owners = [sid for sid in reversed(self.pipe.topo_order()) if self.pipe.stages[sid].colocate_with is None]

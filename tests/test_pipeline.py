@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+import yaml
 
 from molt.pipeline import Pipeline
 
@@ -38,6 +39,18 @@ def test_yaml_and_python_build_the_same_pipeline(tmp_path):
         "edges": [{"from": "source", "to": "knobs"}]})
     assert from_yaml.to_dict() == from_python.to_dict()
     assert [e.schema for e in from_yaml.edges] == [e.schema for e in from_python.edges]
+
+
+def test_a_saved_pipeline_keeps_each_stages_cpus_and_gpus():
+    """A run's pipeline.yaml (to_dict) is what --resume and `molt replay` run: a trainer moved off its one
+    CPU would run two threads, and on an AVX-512 CPU a replay no longer repeats the run's loss."""
+    for path in ("pipelines/quickstart.yaml", "pipelines/gsm8k_gpu.yaml"):
+        pipe = Pipeline.from_yaml(path)
+        saved = Pipeline.from_spec(yaml.safe_load(yaml.safe_dump(pipe.to_dict())))
+        assert {s: (n.cpus, n.gpus) for s, n in saved.stages.items()} == {
+            s: (n.cpus, n.gpus) for s, n in pipe.stages.items()}
+    assert Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.train.cpus=1"]).to_dict()["stages"]["train"][
+        "cpus"] == "1", "--set stages.train.cpus=1 (a YAML int) names CPU 1"
 
 
 def test_set_overrides_a_nested_value(tmp_path):

@@ -3,6 +3,7 @@
 import json
 import shutil
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -314,16 +315,21 @@ def test_a_stage_runs_on_its_cpus_and_results_reach_the_summary(tmp_path, no_orp
     assert all(gpus <= {3 + r} for r, gpus in seen.items()) and any(seen.values()), seen
 
 
-def test_cpus_are_checked_when_the_pipeline_loads():
+def test_cpus_are_parsed_at_load_and_checked_before_any_process_starts(tmp_path):
+    """Availability is the launching machine's fact: a worker pinned to CPU 1 loads the saved pipeline
+    that names CPU 0 for another stage (the quickstart's replay failed so)."""
     from molt.pipeline import Pipeline
+    from molt.runner import Runner
 
     spec = chain(num_groups=1)
-    spec["stages"]["sink"]["cpus"] = "0-4096"
-    with pytest.raises(ValueError, match=r"stages.sink.cpus: CPUs '0-4096' are not all available"):
-        Pipeline.from_spec(spec)
     spec["stages"]["sink"]["cpus"] = "zero"
     with pytest.raises(ValueError, match=r"stages.sink.cpus: .zero. is not an id list"):
         Pipeline.from_spec(spec)
+    spec["stages"]["sink"]["cpus"] = "0-4096"
+    assert Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False).run() == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert re.search(r"stages.sink.cpus: CPU \d+ is not available; this machine offers \[", summary["error"]), summary["error"]
+    assert not list((tmp_path / "run" / "logs").iterdir()), "no process started"
 
 
 def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_consequence(tmp_path):
