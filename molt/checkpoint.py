@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,14 @@ def latest_checkpoint(run_dir: Path, names: set[str]) -> Path:
                      "emits them with checkpoint_every_batches, and the pipeline must be the same")
 
 
-def prune_checkpoints(run_dir: Path, names: set[str], keep: int | None) -> list[Path]:
-    """Delete complete checkpoints older than the newest ``keep`` (None keeps all), and
-    incomplete ones older than the newest complete one; returns what was deleted."""
+def prune_checkpoints(run_dir: Path, names: set[str], keep: int | None, spare: Sequence[Path] = ()) -> list[Path]:
+    """Delete complete checkpoints older than the newest ``keep`` (None keeps all) but those in ``spare``,
+    and incomplete ones older than the newest complete one; returns what was deleted."""
     done = complete_checkpoints(run_dir, names)
     if keep is None or not done:
         return []
     newest = int(done[-1].name[len(PREFIX):])
-    stale = done[:-keep] if len(done) > keep else []
+    stale = [p for p in done[:-keep] if p not in spare] if len(done) > keep else []
     root = Path(run_dir) / "checkpoints"
     stale += [p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()
               and int(p.name[len(PREFIX):]) < newest and p not in done]
@@ -115,21 +116,27 @@ def read_replica_state(folder: Path, name: str) -> dict[str, Any]:
     return data
 
 
-def checkpoint_at_version(run_dir: Path, names: set[str], version: int) -> tuple[Path, str]:
-    """The oldest complete checkpoint whose trainer was at ``version`` (optimizer steps),
-    and the trainer's stage id (the stage whose state holds ``version``).
-
-    Raises:
-        ValueError: no complete checkpoint has that version, listing those there are.
-    """
-    seen = []
+def trainer_checkpoints(run_dir: Path, names: set[str]) -> dict[int, tuple[Path, str]]:
+    """Each trainer version (optimizer steps) in the complete checkpoints of ``run_dir`` -> the oldest
+    folder holding it and the trainer's stage id (the stage whose state holds ``version``)."""
+    found: dict[int, tuple[Path, str]] = {}
     for folder in complete_checkpoints(run_dir, names):
         for name in sorted(names):
             state = read_replica_state(folder, name)["state"]
             if "version" in state:
-                if state["version"] == version:
-                    return folder, name.rsplit(".", 1)[0]
-                seen.append(state["version"])
-    raise ValueError(f"{run_dir}: no complete checkpoint at step {version}; got checkpoints at steps "
-                     f"{sorted(set(seen))}; hint: keep them with keep_checkpoints: null and a source's "
-                     "checkpoint_every_batches")
+                found.setdefault(state["version"], (folder, name.rsplit(".", 1)[0]))
+    return found
+
+
+def checkpoint_at_version(run_dir: Path, names: set[str], version: int) -> tuple[Path, str]:
+    """The oldest complete checkpoint whose trainer was at ``version``, and the trainer's stage id.
+
+    Raises:
+        ValueError: no complete checkpoint has that version, listing those there are.
+    """
+    found = trainer_checkpoints(run_dir, names)
+    if version not in found:
+        raise ValueError(f"{run_dir}: no complete checkpoint at step {version}; got checkpoints at steps "
+                         f"{sorted(found)}; hint: keep them with keep_checkpoints: null and a source's "
+                         "checkpoint_every_batches")
+    return found[version]

@@ -3,6 +3,7 @@
 ``molt run PIPELINE.yaml [--set key=value ...] [--seed N] [--run-dir DIR | --resume RUN_DIR]``
 ``molt sweep PIPELINE.yaml --seeds N [--set ...] [--out DIR] [--threshold KEY=VALUE [--lower-bound]]``
 ``molt compare A B --metric NAME [--margin M]``
+``molt eval RUN_DIR | MODEL [--version V] [--task T ...] [--samples K [--temperature T]] [--num-problems N]``
 ``molt graph PIPELINE.yaml``
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt replay RUN_DIR --from-step K [--set ...]``
@@ -113,6 +114,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(result.describe())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a model, or a run at a policy version, on one or several tasks (molt.evaluation)."""
+    from molt.evaluation import describe, eval_report
+
+    report = eval_report(args.target, args.version, args.task, args.samples, args.temperature, args.num_problems,
+                         args.engine, args.seed)
+    print(describe(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
@@ -307,6 +320,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest complete "
                      "checkpoint (same pipeline and --set values)")
     run.add_argument("--seed", type=int, help="the run's seed (as --set seed=N; molt.seeds)")
+    _eval_command(sub)
     sweep = _statistics_commands(sub)
     graph = sub.add_parser("graph", help="print the validated DAG")
     graph.add_argument("pipeline", help="a pipeline YAML file")
@@ -354,6 +368,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _eval_command(sub: Any) -> None:
+    ev = sub.add_parser("eval", help="evaluate a model or a run's checkpoint: accuracy, pass@k, avg@k, maj@k")
+    ev.add_argument("target", help="a run directory (its checkpoints), a model folder or a built-in model name")
+    ev.add_argument("--version", type=int, help="a run's policy version (a complete checkpoint; default: the newest)")
+    ev.add_argument("--task", action="append", default=[], help="arithmetic, shapes, gsm8k, a pipeline file or a "
+                    "YAML mapping, again for several (molt.evaluation.parse_task); default: the run's evaluation")
+    ev.add_argument("--samples", type=int, help="k samples per problem besides the greedy one (default: 1)")
+    ev.add_argument("--temperature", type=float, help="of the samples (default: the policy's, else 1.0)")
+    ev.add_argument("--num-problems", type=int, help="the first N problems of each task")
+    ev.add_argument("--engine", choices=["vllm", "transformers"], help="default: the evaluation stage's, else vllm")
+    ev.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    ev.add_argument("--json", help="also write the report to this JSON file")
+
+
 def _statistics_commands(sub: Any) -> argparse.ArgumentParser:
     """``molt sweep`` and ``molt compare``; returns the sweep's parser (it takes --set too)."""
     sweep = sub.add_parser("sweep", help="run a pipeline once per seed; sweep.json: means and 95%% intervals")
@@ -379,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # custom stages and envs by import path from here, as the runner's processes
         sys.path.insert(0, os.getcwd())
-    handlers = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "graph": cmd_graph,
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "eval": cmd_eval, "graph": cmd_graph,
                 "replay": cmd_replay, "inspect": cmd_inspect, "plot": cmd_plot, "models": cmd_models}
     try:
         return handlers[args.command](args)

@@ -79,6 +79,16 @@ class MetricsWriter:
             self._file = None
 
 
+def logged_steps(path: Path | None) -> dict[str, set[int]]:
+    """Each key of a metrics file (a resumed replica's own; None or absent: none) -> the steps it was logged at."""
+    steps: dict[str, set[int]] = {}
+    for line in path.read_text().splitlines() if path is not None and path.is_file() else []:
+        rec = json.loads(line)
+        for key in rec["values"] if rec.get("step") is not None else ():
+            steps.setdefault(key, set()).add(rec["step"])
+    return steps
+
+
 def drop_torn_line(path: Path) -> None:
     """Cut a last line that a killed process left without its newline, before appending to ``path``
     (a resumed replica's metrics file: the runner merges whole lines only, so it never merged that

@@ -37,6 +37,7 @@ from molt.policy import PolicySpec, apply_policy, check_group_filters, filled
 from molt.requires import beside, check_requires
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
+from molt.targets import StopWhen, check_metric_keys
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -109,7 +110,11 @@ class PipelineSpec(BaseModel):
     watchdog_s: float | None = Field(900.0, gt=0, description="stop the run when no process has written a metric "
                                      "line for this long, reporting every process's stacks (a hung stage or "
                                      "engine, a stopped process); null = never")
+    stop_when: StopWhen | None = Field(None, description="end the run once a metric reaches a value, e.g. "
+                                       "{metric: evaluate/accuracy, at_least: 0.7}")
     keep_checkpoints: int | None = Field(2, ge=1, description="newest complete checkpoints kept; null = all")
+    keep_best: str | None = Field(None, description="a metric key (e.g. evaluate/accuracy): the complete checkpoint "
+                                  "whose trainer is at the step of its highest value is kept beside the newest")
     results: dict[str, str] = Field(default_factory=dict, description="summary.json 'results': name -> metric "
                                     "key (its latest value; counters summed; every value with its time in 'results_history'), "
                                     "e.g. accuracy: evaluate/accuracy")
@@ -345,6 +350,7 @@ def _check_graph(pipe: Pipeline) -> None:
         _check_inputs(pipe, sid)
     check_group_filters(pipe)
     check_placement(pipe)
+    check_metric_keys(pipe.spec.stop_when, pipe.spec.keep_best, pipe.stages, src)
 
 
 def _output_schema(pipe: Pipeline, sid: str, port: str) -> pa.Schema:

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from molt.metrics import drop_torn_line, get_logger
 from molt.pipeline import Pipeline
+from molt.targets import moment
 
 log = get_logger("runner")
 
@@ -38,6 +39,8 @@ class Progress:
         self.offsets: dict[Path, int] = {}
         self.values: dict[str, dict[str, tuple[float, float]]] = {}  # key -> {replica: (time, value)}
         self.reduce: dict[str, str] = {}
+        self.reached: dict[str, Any] | None = None  # the first line that met stop_when
+        self.best: dict[str, Any] | None = None  # the highest value of keep_best's metric
         self.log_every_s, self._last_log = log_every_s, 0.0
         self._live: Live | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +93,11 @@ class Progress:
                         self.history[k].append([round(rec["time"] - self.start_unix, 1), v])
                     self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = (rec["time"], v)
                 self.reduce.update(rec.get("reduce", {}))
+                stop, best = self.pipe.spec.stop_when, rec["values"].get(self.pipe.spec.keep_best)
+                if self.reached is None and stop and stop.metric in rec["values"] and stop.met(rec["values"]):
+                    self.reached = moment(rec, rec["values"][stop.metric], self.start_unix)
+                if best is not None and (self.best is None or best > self.best["value"]):
+                    self.best = moment(rec, best, self.start_unix)
 
     def summary(self) -> dict[str, float]:
         """The latest value of every metric key, combined across replicas by its

@@ -32,6 +32,11 @@ SIGKILL after ``stop_timeout_s``. It reports the root cause -- the earliest fail
 that was not just an upstream error -- with the stage id and traceback, and the run
 exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
 also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
+
+Target: with ``stop_when: {metric, at_least}`` the runner stops every process the same way at the
+first metric line that meets it, and the run ends ok (exit 0); ``summary.json``'s ``stop_when``
+holds the condition and ``reached``: the value, its step and seconds after the start (null if never).
+``keep_best`` spares the checkpoint at a metric's best step from pruning (molt.targets).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any
 
 import yaml
 
-from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names
+from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names, trainer_checkpoints
 from molt.curve import CurveKeys
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
@@ -195,12 +200,16 @@ class Runner:
         while True:
             progress.update(time.monotonic() - self.start_s)
             if (polls := polls + 1) % 10 == 0:
-                prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
+                self._prune(progress)
             codes = [p.poll() for p in self.procs]
             if any(c not in (None, 0) for c in codes):
                 self.failure = self._root_cause()
                 return
             if all(c == 0 for c in codes) or self._stalled():
+                return
+            if (reached := progress.reached) is not None and (stop := self.pipe.spec.stop_when) is not None:
+                log.info("stop_when met: %s %g at step %s, %.1f s after the start; stopping the run",
+                         stop.metric, reached["value"], reached["step"], reached["time_s"])
                 return
             time.sleep(0.2)
 
@@ -239,10 +248,18 @@ class Runner:
                     self.stop(hurry=again)
                     if self.backend is not None and self.scratch is not None:
                         self.backend.close(self.scratch)
-                    prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints)
                     progress.update(time.monotonic() - self.start_s)
-                    code = self._finish(progress, time.monotonic() - self.start_s)
+                    code = self._finish(progress, time.monotonic() - self.start_s, self._prune(progress))
             return code
+
+    def _prune(self, progress: Progress) -> Path | None:
+        """Keep the newest ``keep_checkpoints`` and, with ``keep_best``, the checkpoint at the best step;
+        returns that one (None: no best yet, or no complete checkpoint at its step)."""
+        best = None
+        if progress.best is not None:
+            best = trainer_checkpoints(self.run_dir, self.replica_names).get(progress.best["step"], (None,))[0]
+        prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints, [best] if best else [])
+        return best
 
     def stop(self, hurry: Sequence[int] = ()) -> None:
         """Stop every process and its descendants: SIGTERM, then SIGKILL after ``stop_timeout_s``
@@ -273,7 +290,7 @@ class Runner:
         first = min(own or statuses, key=lambda s: s["time"])
         return {"stage": first["stage"], "error": first["error"], "upstream": first["upstream"]}
 
-    def _finish(self, progress: Progress, wall_s: float) -> int:
+    def _finish(self, progress: Progress, wall_s: float, best: Path | None) -> int:
         failure = self.failure or {}
         status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
         metrics = progress.summary()
@@ -284,6 +301,11 @@ class Runner:
         summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
                    "error": failure.get("error"), "results": results, "results_history": history,
                    "metrics": metrics}
+        if (stop := self.pipe.spec.stop_when) is not None:  # reached: None, or when and at what value
+            summary["stop_when"] = {**stop.model_dump(), "reached": progress.reached}
+        if self.pipe.spec.keep_best is not None:  # the best value, its step and the checkpoint kept for it
+            summary["keep_best"] = {"metric": self.pipe.spec.keep_best, "best": progress.best,
+                                    "checkpoint": None if best is None else str(best)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if status == "ok":
             log.info("run finished in %.1f s: %s", wall_s, self.run_dir)

@@ -1,31 +1,30 @@
-"""Evaluate: held-out greedy accuracy of the policy, before training and every k versions.
+"""Evaluate: held-out accuracy of the policy, before training and every k versions, on one or several tasks.
 
 Runs its own engine (vLLM by default) on the policy's model and listens to the weight broadcast on
-``weights`` (a ``kind: broadcast`` edge). It evaluates the initial weights at start; then, whenever a
-version ``v`` with ``v % every_versions == 0`` has been published, the newest version received (``v``
-unless newer ones were waiting or its file was pruned); and at end of stream the last version it saw
-if not evaluated yet (the final accuracy). Refits are verified (molt.engines.weights).
+``weights`` (a ``kind: broadcast`` edge). It evaluates the initial weights at start; then, for each
+task, whenever a version ``v`` with ``v % every_versions == 0`` has been published, the newest version
+received (``v`` unless newer ones were waiting or its file was pruned); and at end of stream the last
+version it saw on every task not evaluated at it (the final accuracy). Refits are verified
+(molt.engines.weights). A resumed run evaluates no version its metrics file holds already.
 
-One evaluation: every problem of ``task`` (e.g. the arithmetic ``eval`` split, which never overlaps
-``train``), one greedy completion each (``max_new_tokens``), graded by ``grader`` against the task's
-answer. It logs, at step = policy version (keys prefixed by the stage id, e.g. ``evaluate/accuracy``)::
+One evaluation of a task (molt.evaluation): every problem, one greedy completion each and, with
+``samples: k``, k at the task's ``temperature``, graded by its ``grader``. It logs at step = policy version,
+under the stage id and, for one of ``tasks``, its name (``evaluate/accuracy``, ``evaluate/gsm8k/pass@8``)::
 
-    accuracy           p = correct / n
-    accuracy_stderr    sqrt(p (1 - p) / n)   (binomial standard error of p)
-    accuracy_baseline  p of the first evaluation (version 0 in a fresh run)
-    num_problems, policy_version, seconds
+    accuracy, accuracy_stderr    greedy; sqrt(p (1 - p) / n) for p right of n
+    pass@k, avg@k, maj@k         with k samples, each with _stderr
+    accuracy_baseline            the first evaluation's accuracy (version 0 in a fresh run)
+    num_problems, seconds, policy_version
 
-and sends one row per evaluation on ``out`` (EVAL_SCHEMA). Example: 500 problems, 120 right -> accuracy 0.24,
-stderr sqrt(0.24 * 0.76 / 500) = 0.019.
-
-Weight files: a record's file is hard-linked into this stage's own folder as it arrives, so the
-broadcast's pruning (``keep_versions``) or its exit cannot delete a version still to be evaluated;
-only the newest link (and one being loaded) is kept. A file pruned before its record was read is
-skipped for the newer one. The task is loaded once before the run starts (`preflight_task`).
+and sends one row per task and evaluation on ``out`` (EVAL_SCHEMA). Weight files: a record's file is
+hard-linked into this stage's own folder as it arrives, so the broadcast's pruning (``keep_versions``)
+cannot delete a version still to be evaluated; only the newest link (and one being loaded) is kept.
 
     evaluate:
       class: stages.evaluate.Evaluate
       config: {task: {type: arithmetic, split: eval, num_problems: 500}, every_versions: 4}
+      # or: {tasks: {arithmetic: {task: {...}}, gsm8k: {task: {...}, samples: 8, temperature: 0.8,
+      #                                               every_versions: 16}}, every_versions: 4}
     edges:
       - {from: broadcast.weights, to: evaluate.weights, kind: broadcast}
 """
@@ -33,7 +32,6 @@ skipped for the newer one. The task is loaded once before the run starts (`prefl
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import shutil
 import time
@@ -43,14 +41,14 @@ from typing import Any, ClassVar
 import pyarrow as pa
 from pydantic import Field
 
-from molt.agents import ChatTemplate, SingleTurn, run_episode
-from molt.engines.base import SamplingParams
+from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
-from molt.graders import GraderConfig, MathGrader
+from molt.evaluation import EvaluationConfig, evaluate, load_problems, metric_key, task_key
 from molt.schema import batch_from_rows, make_schema
 from molt.stage import Port, Service, StageConfig, scratch_folder
-from molt.tasks import TaskConfig, preflight_task
+from molt.metrics import logged_steps
+from molt.tasks import preflight_task
 
 EVAL_SCHEMA = make_schema([
     pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
@@ -58,20 +56,16 @@ EVAL_SCHEMA = make_schema([
     pa.field("accuracy_stderr", pa.float64(), metadata={b"doc": b"binomial standard error sqrt(p(1-p)/n)"}),
     pa.field("num_problems", pa.int64(), metadata={b"doc": b"problems evaluated"}),
     pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
+    pa.field("task", pa.string(), metadata={b"doc": b"the task's name in tasks; empty for the one task"}),
 ], "eval")
 
 
 class Evaluate(Service):
-    """Weight-version records in; one evaluation row out per evaluated version."""
+    """Weight-version records in; one evaluation row out per evaluated version and task."""
 
-    class Config(StageConfig):
-        task: TaskConfig = Field(description="held-out problems, e.g. {type: arithmetic, split: eval}")
+    class Config(EvaluationConfig):
         model: str = Field("smollm2-135m-instruct", description="the policy's initial model (as the rollout's)")
         engine: EngineConfig = Field(default_factory=EngineConfig)
-        every_versions: int = Field(1, ge=1, description="evaluate versions divisible by this")
-        max_new_tokens: int = Field(24, ge=1, description="per completion")
-        grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
-                                     description="{type: math} or {type: exact}")
 
     config: Config
     inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
@@ -79,51 +73,57 @@ class Evaluate(Service):
 
     @classmethod
     def preflight(cls, config: StageConfig, where: str) -> None:
-        preflight_task(config.task, f"{where}.task")  # type: ignore[attr-defined]  # an Evaluate.Config
+        for name, t in config.evaluations().items():  # type: ignore[attr-defined]  # an Evaluate.Config
+            preflight_task(t.task, f"{where}.{task_key(name)}")
 
     def setup(self) -> None:
         from molt.models import resolve_model
 
-        c = self.config
-        task = c.task.load()
-        if task.num_records is None:
-            raise ValueError(f"stages.{self.ctx.stage_id}.config.task: evaluation needs a finite task; got an "
-                             "endless stream; hint: set task.num_problems")
-        self.problems = [task.record(i) for i in range(task.num_records)]
+        c, where = self.config, f"stages.{self.ctx.stage_id}.config"
+        self.tasks = c.evaluations()
+        self.problems = {name: load_problems(t.task, f"{where}.{task_key(name)}") for name, t in self.tasks.items()}
         model_dir, replica = resolve_model(c.model), self.ctx.replica
         self.chat = ChatTemplate.for_model(model_dir)
-        self.engine = make_engine(c.engine, str(model_dir), f"stages.{self.ctx.stage_id}.config.engine", replica,
-                                  self.ctx.seed_for(replica))
-        self.params = SamplingParams(temperature=0.0, max_new_tokens=c.max_new_tokens)
+        self.engine = make_engine(c.engine, str(model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
         self.loading: Path | None = None  # the link an engine is loading
-        self.evaluated: list[int] = []
-        self.log.info("%d held-out problems, every %d versions", len(self.problems), c.every_versions)
+        before = logged_steps(self.ctx.run_dir and self.ctx.run_dir / "metrics" / f"{self.ctx.stage_id}.{replica}.jsonl")
+        self.evaluated = {name: before.get(f"{self.ctx.stage_id}/{metric_key(name, 'accuracy')}", set())
+                          for name in self.tasks}  # versions a resumed run has evaluated already
+        self.log.info("%s", "; ".join(f"{name or 'task'}: {len(self.problems[name])} problems, every "
+                                      f"{t.every_versions} versions" for name, t in self.tasks.items()))
 
     async def run(self) -> None:
         # A receiver task links each record's file as it arrives, also while an evaluation runs.
         received: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         receiver = asyncio.create_task(self._receive(received))
-        await self.evaluate()
+        await self.evaluate(self._not_yet(self.tasks))  # the initial weights
         last: dict[str, Any] | None = None
-        due = end = False  # due: a version divisible by every_versions was published since the last evaluation
+        due: set[str] = set()  # tasks a version divisible by their every_versions was published for
+        end = False
         while not end:
-            # 1) every record received  2) keep the newest linked one  3) load + evaluate if due
+            # 1) every record received  2) keep the newest linked one  3) load + evaluate the due tasks
             waiting = [await received.get()]
             while not received.empty():
                 waiting.append(received.get_nowait())
             end = waiting[-1] is None
             records = [r for r in waiting if r is not None]
-            due = due or any(r["policy_version"] % self.config.every_versions == 0 for r in records)
+            due |= {name for name, t in self.tasks.items() for r in records
+                    if r["policy_version"] % (t.every_versions or 1) == 0}
             last = next((r for r in reversed(records) if r["uri"] is not None), last)  # older links: gone
-            if due and last is not None and last["policy_version"] not in self.evaluated:
-                await self._load_and_evaluate(last)
-                due = False
+            if due and last is not None:
+                await self._load_and_evaluate(last, self._not_yet(due, last["policy_version"]))
+                due = set()
         await receiver  # raises what the receiver raised
-        # 4) end of stream: the final version
-        if last is not None and last["policy_version"] not in self.evaluated:
-            await self._load_and_evaluate(last)
+        # 4) end of stream: the final version, on every task
+        if last is not None:
+            await self._load_and_evaluate(last, self._not_yet(self.tasks, last["policy_version"]))
+
+    def _not_yet(self, names: Any, version: int | None = None) -> list[str]:
+        """Those of ``names`` not evaluated at ``version`` (default: the engine's)."""
+        version = self.engine.policy_version if version is None else version
+        return [name for name in self.tasks if name in names and version not in self.evaluated[name]]
 
     async def _receive(self, received: asyncio.Queue[dict[str, Any] | None]) -> None:
         """Put each weight record on ``received`` with ``uri`` at our hard link (None: pruned); None at the end."""
@@ -159,39 +159,39 @@ class Evaluate(Service):
             previous.unlink(missing_ok=True)
         return {**record, "uri": f"file://{link}"}
 
-    async def _load_and_evaluate(self, record: dict[str, Any]) -> None:
+    async def _load_and_evaluate(self, record: dict[str, Any], names: list[str]) -> None:
+        if not names:
+            return
         self.loading = Path(record["uri"].removeprefix("file://"))  # set before any await: `_link` spares it
         try:
-            await apply_weight_record(self.engine, record)
+            if record["policy_version"] != self.engine.policy_version:
+                await apply_weight_record(self.engine, record)
         finally:
             if self.loading != self.newest:
                 self.loading.unlink(missing_ok=True)
             self.loading = None
-        await self.evaluate()
+        await self.evaluate(names)
 
-    async def evaluate(self) -> float:
-        """Greedy accuracy of the engine's current weights on every problem; logs and sends it."""
-        start, version = time.monotonic(), self.engine.policy_version
-        results = await asyncio.gather(*(self._solve(i, p) for i, p in enumerate(self.problems)))
-        n, accuracy = len(results), sum(results) / max(len(results), 1)
-        stderr = math.sqrt(accuracy * (1 - accuracy) / max(n, 1))
-        seconds = time.monotonic() - start
-        values = {"accuracy": accuracy, "accuracy_stderr": stderr, "num_problems": n, "policy_version": version,
-                  "seconds": seconds}
-        if not self.evaluated:
-            values["accuracy_baseline"] = accuracy
-        self.evaluated.append(version)
-        self.metrics.log(values, step=version)
-        self.log.info("eval version %d: accuracy %.3f +- %.3f (%d problems, %.1fs)", version, accuracy, stderr, n,
-                      seconds)
-        await self.send("out", batch_from_rows([{k: values[k] for k in EVAL_SCHEMA.names}], EVAL_SCHEMA))
-        return accuracy
-
-    async def _solve(self, index: int, problem: dict[str, Any]) -> float:
-        request_id = f"eval-v{self.engine.policy_version}-{index}"
-        episode = await run_episode(self.engine, self.chat, SingleTurn(), problem, self.params, request_id,
-                                    1, self.config.engine.max_model_len)
-        return self.config.grader.grade(episode.completion_text, str(problem["answer"])).score
+    async def evaluate(self, names: list[str]) -> None:
+        """Evaluate the engine's current weights on each of ``names``; logs and sends each one's row."""
+        version = self.engine.policy_version
+        for name in names:
+            t, start = self.tasks[name], time.monotonic()
+            values: dict[str, Any] = await evaluate(
+                self.engine, self.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
+                max_model_len=self.config.engine.max_model_len, samples=t.samples, temperature=t.temperature or 0.0,
+                tag=f"eval-v{version}{'-' + name if name else ''}")
+            values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
+            if not self.evaluated[name]:
+                values["accuracy_baseline"] = values["accuracy"]
+            self.evaluated[name].add(version)
+            self.metrics.log({metric_key(name, k): v for k, v in values.items()} | {"policy_version": version},
+                             step=version)
+            self.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)", version,
+                          f" {name}" if name else "", values["accuracy"], values["accuracy_stderr"],
+                          values["num_problems"], values["seconds"])
+            row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values}, "policy_version": version, "task": name}
+            await self.send("out", batch_from_rows([row], EVAL_SCHEMA))
 
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:

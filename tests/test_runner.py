@@ -194,6 +194,40 @@ def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_pro
     assert "stages.py" in stacks and "process" in stacks, error[-3000:]  # 'File ".../stages.py", line 65 in process'
 
 
+def test_stop_when_ends_the_run_cleanly_at_the_first_line_that_meets_it_and_says_when(tmp_path, no_orphans):
+    from molt.pipeline import Pipeline
+
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 0.5}}), num_groups=64, group_size=4,
+                 groups_per_batch=1)  # 64 batches of 4 rows: 32 s
+    spec["stop_when"] = {"metric": "sink/rows_in", "at_least": 8}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0 and summary["status"] == "ok" and summary["error"] is None
+    stop = summary["stop_when"]
+    assert (stop["metric"], stop["at_least"], stop["lower_bound"]) == ("sink/rows_in", 8, False)
+    assert 8 <= stop["reached"]["value"] < 256 and 0 < stop["reached"]["time_s"] < summary["wall_s"]
+    assert summary["metrics"]["sink/rows_in"] < 256  # stopped long before the source's end
+    spec["stop_when"] = {"metric": "sink/rows_in", "at_least": 8, "lower_bound": True}  # no sink/rows_in_stderr
+    spec["stages"]["source"]["config"]["num_groups"] = 4
+    code, summary = run_spec(spec, tmp_path / "never")
+    assert code == 0 and summary["stop_when"]["reached"] is None and summary["metrics"]["sink/rows_in"] == 16
+    with pytest.raises(ValueError, match=r"stop_when\.metric: 'sinks/rows_in' names no stage"):
+        Pipeline.from_spec({**spec, "stop_when": {"metric": "sinks/rows_in", "at_least": 1}})
+
+
+def test_keep_best_keeps_the_checkpoint_at_the_best_step_beside_the_newest(tmp_path, no_orphans):
+    spec = {"name": "best", "keep_checkpoints": 1, "keep_best": "scorer/score", "stages": {
+        "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 1, "checkpoint_every_batches": 1}},
+        "scorer": {"class": "tests.doubles.stages.Scorer", "config": {"best_version": 2}}},
+        "edges": [{"from": "source", "to": "scorer"}]}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary["error"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["barrier_2", "barrier_6"]  # the best, the newest
+    best = summary["keep_best"]
+    assert (best["metric"], best["best"]["value"], best["best"]["step"]) == ("scorer/score", 0, 2)
+    assert best["checkpoint"] == str(checkpoints / "barrier_2")
+
+
 def test_without_py_spy_the_stacks_come_from_faulthandler_in_the_log(tmp_path, monkeypatch):
     from molt.placement import Proc
 

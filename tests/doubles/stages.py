@@ -141,6 +141,26 @@ class Counter(Transform):
         return {"rows": self.rows}
 
 
+class Scorer(Transform):
+    """A sink whose state is a trainer's ``version`` (batches seen), logging ``score`` at step = version,
+    highest (0) at ``best_version`` (keep_best's tests)."""
+
+    class Config(StageConfig):
+        best_version: int = 2
+
+    outputs: ClassVar[dict[str, Port]] = {}
+
+    def setup(self) -> None:
+        self.version = 0
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.version += 1
+        self.metrics.log({"score": -abs(self.version - self.config.best_version)}, step=self.version)
+
+    def state_dict(self) -> dict:
+        return {"version": self.version}
+
+
 class ModelMaker(Counter):
     """A sink that, at the end of its input, writes a stand-in model folder (config.json holding
     the rows it saw) where a train stage's ``export_model: name`` would (molt.requires' tests)."""

@@ -1,0 +1,54 @@
+"""Targets a run applies to its own metrics (molt.runner reads every metric line through molt.progress).
+
+``stop_when: {metric: evaluate/accuracy, at_least: 0.7}`` ends the run cleanly at the first line
+whose value reaches ``at_least`` (with ``lower_bound: true``, the value minus ``METRIC_stderr`` of the
+same line). ``keep_best: evaluate/accuracy`` keeps the complete checkpoint at the step of the
+metric's highest value beside the newest ``keep_checkpoints``. Both name a metric key STAGE/NAME.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.metrics import get_logger
+
+log = get_logger("runner")
+
+
+class StopWhen(BaseModel):
+    """``stop_when:``: the metric and the value that end the run (exit 0; summary.json's ``stop_when``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    metric: str = Field(description="a metric key, STAGE/NAME, e.g. evaluate/accuracy")
+    at_least: float = Field(description="the value to reach")
+    lower_bound: bool = Field(False, description="reach it with the value minus METRIC_stderr (logged in the "
+                              "same line, as an evaluation's accuracy_stderr); a line without one does not count")
+
+    def met(self, values: dict[str, float]) -> bool:
+        """Whether a metric line's ``values`` (it holds ``metric``) meet the target."""
+        stderr = values.get(f"{self.metric}_stderr")
+        if self.lower_bound and stderr is None:
+            log.warning("stop_when.lower_bound: %s has no %s_stderr beside it; the line does not count",
+                        self.metric, self.metric)
+            return False
+        return values[self.metric] - (stderr if self.lower_bound and stderr else 0.0) >= self.at_least
+
+
+def check_metric_keys(stop_when: StopWhen | None, keep_best: str | None, stages: Iterable[str], source: str) -> None:
+    """Refuse a ``stop_when.metric`` or ``keep_best`` that names no stage of the pipeline.
+
+    Raises:
+        ValueError: naming the file, the key and the stages there are.
+    """
+    for key, metric in {"stop_when.metric": stop_when.metric if stop_when else None, "keep_best": keep_best}.items():
+        if metric is not None and metric.split("/")[0] not in (known := sorted(stages)):
+            raise ValueError(f"{source}: {key}: {metric!r} names no stage (metric keys are STAGE/NAME, e.g. "
+                             f"evaluate/accuracy); stages: {known}")
+
+
+def moment(rec: dict[str, Any], value: float, start_unix: float) -> dict[str, Any]:
+    """What summary.json says of a metric line: its value, step and seconds since ``start_unix``."""
+    return {"value": value, "step": rec.get("step"), "time_s": round(rec["time"] - start_unix, 1)}

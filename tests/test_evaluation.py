@@ -1,0 +1,131 @@
+"""molt.evaluation and `molt eval`: pass@k, avg@k, maj@k and their standard errors; tasks; runs at a version."""
+
+import json
+import math
+
+import pytest
+
+from molt.checkpoint import checkpoint_at_version
+from molt.cli import main
+from molt.evaluation import majority_score, parse_task, pass_at_k, sampled_metrics, summarise
+from molt.graders import Grade
+from molt.metrics import logged_steps
+from molt.pipeline import Pipeline
+from molt.recording import read_batches
+from molt.runner import Runner
+from tests.conftest import run_spec
+from tests.test_checkpoint import drop_checkpoints_after, resumable_rl
+from tests.test_train import with_evaluation
+
+
+def test_pass_at_k_is_chens_unbiased_estimator_by_hand():
+    # n = 5 samples, c = 2 right: 1 - C(3, k) / C(5, k) = 1 - 3/5, 1 - 3/10, 1 - 1/10, 1 - 0, 1 - 0
+    assert [pass_at_k(5, 2, k) for k in range(1, 6)] == pytest.approx([0.4, 0.7, 0.9, 1.0, 1.0])
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
+    for bad in ((5, 6, 1), (5, 2, 0), (5, 2, 6)):
+        with pytest.raises(ValueError, match="pass@k needs"):
+            pass_at_k(*bad)
+
+
+def test_the_majority_answer_decides_and_samples_without_an_answer_do_not_vote():
+    assert majority_score([Grade(1.0, "5"), Grade(0.0, "6"), Grade(0.0, "6")]) == 0.0
+    assert majority_score([Grade(0.0, None), Grade(0.0, None), Grade(1.0, "5")]) == 1.0
+    assert majority_score([Grade(1.0, "5"), Grade(0.0, "6")]) == 1.0  # a tie: the answer seen first
+    assert majority_score([Grade(0.0, "6"), Grade(1.0, "5")]) == 0.0
+    assert majority_score([Grade(0.0, None)]) == 0.0
+
+
+def test_sampled_metrics_and_standard_errors_over_problems():
+    right, wrong = Grade(1.0, "5"), Grade(0.0, "6")
+    per = sampled_metrics([[right, wrong, wrong, wrong], [right, right, right, wrong]])
+    assert per["pass@1"] == pytest.approx([0.25, 0.75]) and per["avg@4"] == pytest.approx([0.25, 0.75])
+    assert per["pass@2"] == pytest.approx([0.5, 1.0]) and per["pass@4"] == [1.0, 1.0]
+    assert per["maj@4"] == [0.0, 1.0]
+    values = summarise(per)
+    assert values["maj@4"] == 0.5 and values["maj@4_stderr"] == pytest.approx(math.sqrt(0.25 / 2))
+    assert values["pass@4_stderr"] == 0.0
+    # 0/1 values: the binomial standard error sqrt(p (1 - p) / N)
+    assert summarise({"accuracy": [1.0, 0.0, 0.0, 0.0]})["accuracy_stderr"] == pytest.approx(math.sqrt(0.25 * 0.75 / 4))
+
+
+def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
+    arith = parse_task("arithmetic")[0]["arithmetic"]
+    assert (arith.task.split, arith.grader.type, arith.samples) == ("eval", "math", 1)
+    assert parse_task("shapes")[0]["shapes"].grader.type == "shapes"
+    mapped, _ = parse_task("{type: arithmetic, split: eval, num_problems: 7, max_new_tokens: 9, samples: 4, name: small}")
+    assert (mapped["small"].task.num_problems, mapped["small"].max_new_tokens, mapped["small"].samples) == (7, 9, 4)
+    tasks, pipe = parse_task("pipelines/quickstart.yaml")
+    assert pipe is not None and list(tasks) == ["evaluate"] and tasks["evaluate"].task.num_problems == 500
+    assert tasks["evaluate"].task.max_operand == 60
+    assert tasks["evaluate"].max_new_tokens == pipe.stages["evaluate"].config.max_new_tokens
+    with pytest.raises(ValueError, match="unknown task; hint: one of"):
+        parse_task("arithmetics")
+    with pytest.raises(ValueError, match=r"task\.arithmetic\.num_probs: unknown key; did you mean 'num_problems'"):
+        parse_task("{type: arithmetic, num_probs: 3}")
+    with pytest.raises(ValueError, match="pipelines/smoke.yaml: the pipeline has no evaluation stage"):
+        parse_task("pipelines/smoke.yaml")
+
+
+def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights(full_rl_run, tmp_path, capsys):
+    task = "{type: arithmetic, split: eval, num_problems: 4, max_new_tokens: 4}"
+    common = ["--task", task, "--engine", "transformers", "--samples", "3", "--temperature", "1.0", "--seed", "1"]
+    assert main(["eval", str(full_rl_run), "--version", "2", *common, "--json", str(tmp_path / "run.json")]) == 0
+    report = json.loads((tmp_path / "run.json").read_text())
+    folder, trainer = checkpoint_at_version(full_rl_run, {"source.0", "train.0"}, 2)
+    assert report["policy_version"] == 2 and report["model"] == str(folder / trainer)
+    values = report["tasks"]["arithmetic"]
+    assert values["num_problems"] == 4 and values["seconds"] > 0
+    assert {"accuracy", "pass@1", "pass@2", "pass@3", "avg@3", "maj@3"} <= values.keys()
+    assert all(f"{k}_stderr" in values for k in ("accuracy", "pass@3", "maj@3"))
+    printed = capsys.readouterr().out
+    assert "at version 2" in printed and "arithmetic: 4 problems, 3 samples at temperature 1" in printed
+    assert "pass@3" in printed
+    # the same weights evaluated as a model folder: the same greedy answers
+    assert main(["eval", report["model"], "--task", task, "--engine", "transformers", "--json",
+                 str(tmp_path / "model.json")]) == 0
+    alone = json.loads((tmp_path / "model.json").read_text())
+    assert alone["policy_version"] is None and alone["tasks"]["arithmetic"]["accuracy"] == values["accuracy"]
+    assert main(["eval", str(full_rl_run), "--version", "99", "--task", task]) == 2
+    assert "no complete checkpoint at step 99; got checkpoints at steps [0, 1, 2, 3, 4]" in capsys.readouterr().err
+
+
+def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats_none(tiny_chat_model, tmp_path,
+                                                                                       no_orphans):
+    spec = with_evaluation(resumable_rl(tiny_chat_model), tiny_chat_model)
+    config = spec["stages"]["evaluate"]["config"]
+    task = config.pop("task")
+    config["tasks"] = {"arith": {"task": task, "max_new_tokens": 4},
+                       "sampled": {"task": {**task, "num_problems": 4}, "max_new_tokens": 4, "samples": 2,
+                                   "temperature": 1.0, "every_versions": 2}}
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary.get("error")
+    evaluated = logged_steps(tmp_path / "run" / "metrics" / "evaluate.0.jsonl")
+    arith, sampled = evaluated["evaluate/arith/accuracy"], evaluated["evaluate/sampled/pass@2"]
+    assert {0, 4} <= arith and {0, 4} <= sampled and sampled <= {0, 2, 3, 4}  # 3: 2 was waiting behind it
+    assert "evaluate/arith/pass@2" not in evaluated and evaluated["evaluate/sampled/accuracy"] == sampled
+    rows = [r for b in read_batches(tmp_path / "run" / "record" / "evaluate.out--eval_sink.in") for r in b.to_pylist()]
+    assert sorted((r["task"], r["policy_version"]) for r in rows) == sorted(
+        [("arith", v) for v in arith] + [("sampled", v) for v in sampled])
+    # stopped at version 2: checkpoints and evaluations after it never happened; the resume repeats none
+    drop_checkpoints_after(tmp_path / "run", 5)
+    for name in ("metrics/evaluate.0.jsonl", "metrics.jsonl"):
+        lines = (tmp_path / "run" / name).read_text().splitlines()
+        (tmp_path / "run" / name).write_text("".join(line + "\n" for line in lines if not (
+            json.loads(line)["stage"] == "evaluate" and (json.loads(line)["step"] or 0) > 2)))
+    code = Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False, resume=True).run()
+    assert code == 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "evaluate.0.jsonl").read_text().splitlines()]
+    for key in ("evaluate/arith/accuracy", "evaluate/sampled/accuracy"):
+        steps = [rec["step"] for rec in lines if key in rec["values"]]
+        assert len(steps) == len(set(steps)) and max(steps) == 4, (key, steps)
+    assert sum("evaluate/arith/accuracy_baseline" in rec["values"] for rec in lines) == 1
+
+
+def test_an_evaluation_takes_one_task_or_several_and_samples_need_a_temperature():
+    from stages.evaluate import Evaluate
+
+    task = {"type": "arithmetic", "split": "eval"}
+    with pytest.raises(ValueError, match="give task .one. or tasks .several by name., not both or neither"):
+        Evaluate.Config.model_validate({"task": task, "tasks": {"a": {"task": task}}})
+    with pytest.raises(ValueError, match="tasks.a: samples > 1 need a temperature"):
+        Evaluate.Config.model_validate({"tasks": {"a": {"task": task, "samples": 4}}})
