@@ -2,6 +2,7 @@
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_only_the_newest_link_and_the_one_being_loaded_are_kept(tmp_path, monkey
     broadcast.mkdir(), own.mkdir()
     stage = Evaluate(Evaluate.Config.model_validate({"task": {"type": "arithmetic", "split": "eval",
                                                               "num_problems": 4}}), StageContext("evaluate"))
-    stage.folder, stage.newest, stage.loading, stage.engine = own, None, None, None
+    stage.folder, stage.newest, stage.loading, stage.engine = own, None, None, SimpleNamespace(policy_version=0)
     for version in (1, 2, 3):  # arriving while an evaluation runs: each replaces the one before
         stage._keep(record(broadcast, version))
     assert sorted(p.name for p in own.iterdir()) == ["v3.safetensors"]
@@ -31,12 +32,12 @@ def test_only_the_newest_link_and_the_one_being_loaded_are_kept(tmp_path, monkey
         stage._keep(record(broadcast, 4))  # a newer version arrives while v3 loads: v3 stays until loaded
         loaded.append(sorted(p.name for p in own.iterdir()))
 
-    async def evaluate():
-        return 0.0
+    async def evaluate(names):
+        assert names == [""]
 
     monkeypatch.setattr("stages.evaluate.apply_weight_record", load)
     monkeypatch.setattr(stage, "evaluate", evaluate)
-    asyncio.run(stage._load_and_evaluate({"policy_version": 3, "uri": f"file://{own / 'v3.safetensors'}"}))
+    asyncio.run(stage._load_and_evaluate({"policy_version": 3, "uri": f"file://{own / 'v3.safetensors'}"}, [""]))
     assert loaded == [["v3.safetensors", "v4.safetensors"]]
     assert sorted(p.name for p in own.iterdir()) == ["v4.safetensors"]
     pruned = stage._keep({"policy_version": 5, "uri": f"file://{broadcast / 'gone.safetensors'}"})
