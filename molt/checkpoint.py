@@ -128,6 +128,16 @@ def trainer_checkpoints(run_dir: Path, names: set[str]) -> dict[int, tuple[Path,
     return found
 
 
+def resumed_version(run_dir: Path) -> int | None:
+    """The trainer version of the checkpoint a resumed run restarts from (``RUN_DIR/resume.json``, as
+    the runner writes it); None for a run that was not resumed or a checkpoint without a trainer."""
+    plan = Path(run_dir) / "resume.json"
+    if not plan.is_file():
+        return None
+    states = [json.loads(f.read_text())["state"] for f in Path(json.loads(plan.read_text())["checkpoint"]).glob("*.json")]
+    return max((s["version"] for s in states if "version" in s), default=None)
+
+
 def checkpoint_at_version(run_dir: Path, names: set[str], version: int) -> tuple[Path, str]:
     """The oldest complete checkpoint whose trainer was at ``version``, and the trainer's stage id.
 

@@ -37,6 +37,7 @@ from molt.agents import ChatTemplate, SingleTurn, run_episode
 from molt.config import validate
 from molt.engines.base import Engine, SamplingParams
 from molt.graders import Grade, GraderConfig, MathGrader
+from molt.metrics import logged_steps
 from molt.pipeline import Pipeline
 from molt.stage import StageConfig
 from molt.tasks import TaskConfig
@@ -137,6 +138,14 @@ def load_problems(task: Any, where: str) -> list[dict[str, Any]]:
     return [loaded.record(i) for i in range(loaded.num_records)]
 
 
+def default_grader(data: Any) -> Any:
+    """A task config's data with the grader its task type needs when none is given: ``{type: shapes}``
+    for the shapes task (count and colour), else the field's default ``{type: math}``."""
+    task = data.get("task") if isinstance(data, dict) else None
+    kind = task.get("type") if isinstance(task, dict) else getattr(task, "type", None)
+    return {**data, "grader": {"type": "shapes"}} if kind == "shapes" and "grader" not in data else data
+
+
 class EvalTask(BaseModel):
     """One evaluation task: ``{task: {type: gsm8k, path: data/gsm8k/test.jsonl}, max_new_tokens: 256}``."""
 
@@ -151,6 +160,8 @@ class EvalTask(BaseModel):
     every_versions: int | None = Field(None, ge=1, description="in a run: evaluate versions divisible by this "
                                        "(default: the stage's every_versions)")
 
+    _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
+
 
 class EvaluationConfig(StageConfig):
     """What an evaluation stage evaluates: one ``task`` (metrics STAGE/accuracy, ...) or several ``tasks``
@@ -163,6 +174,8 @@ class EvaluationConfig(StageConfig):
     max_new_tokens: int = Field(24, ge=1, description="per completion (of task)")
     grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
                                  description="of task: {type: math}, {type: exact} or {type: shapes}")
+
+    _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
 
     @model_validator(mode="after")
     def _one_form(self) -> EvaluationConfig:
@@ -186,6 +199,20 @@ def metric_key(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
+def evaluated_before(run_dir: Path | None, replica: str, prefixes: list[str]) -> dict[str, set[int]]:
+    """Per task prefix, the versions evaluation ``replica`` (``STAGE.R``) of a resumed run evaluated up to the
+    version of the checkpoint it resumes from (later ones were of weights the resume discards); empty sets
+    for a new run."""
+    from molt.checkpoint import resumed_version
+
+    if run_dir is None:
+        return {prefix: set() for prefix in prefixes}
+    upto, stage = resumed_version(run_dir), replica.rsplit(".", 1)[0]
+    before = logged_steps(run_dir / "metrics" / f"{replica}.jsonl")
+    return {prefix: {v for v in before.get(f"{stage}/{metric_key(prefix, 'accuracy')}", ()) if upto is None or v <= upto}
+            for prefix in prefixes}
+
+
 def task_key(prefix: str) -> str:
     """The config key of the task of ``prefix``: ``task`` or ``tasks.NAME``."""
     return f"tasks.{prefix}" if prefix else "task"
@@ -194,7 +221,7 @@ def task_key(prefix: str) -> str:
 # A bare --task NAME: the held-out split of a generated task, the test set the project ships.
 NAMED_TASKS: dict[str, dict[str, Any]] = {
     "arithmetic": {"task": {"type": "arithmetic", "split": "eval"}},
-    "shapes": {"task": {"type": "shapes", "split": "eval"}, "grader": {"type": "shapes"}},
+    "shapes": {"task": {"type": "shapes", "split": "eval"}},
     "gsm8k": {"task": {"type": "gsm8k", "path": "data/gsm8k/test.jsonl"}, "max_new_tokens": 256},
 }
 
@@ -285,7 +312,8 @@ async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, E
     try:
         chat, report = ChatTemplate.for_model(model_dir), {}
         for name, t in tasks.items():
-            start, heat = time.monotonic(), (t.temperature or temperature) if t.samples > 1 else None
+            heat = (temperature if t.temperature is None else t.temperature) if t.samples > 1 else None
+            start = time.monotonic()
             values = await evaluate(engine, chat, problems[name], t.grader, max_new_tokens=t.max_new_tokens,
                                     max_model_len=engine_config.max_model_len, samples=t.samples,
                                     temperature=heat or 0.0, tag=name)
@@ -326,31 +354,34 @@ def eval_report(target: str, version: int | None = None, task_options: Sequence[
     """
     from molt.engines.config import EngineConfig
 
-    if (samples is not None and samples < 1) or (num_problems is not None and num_problems < 1):
-        raise ValueError(f"--samples and --num-problems take 1 or more; got {samples} and {num_problems}")
+    for option, value, least in (("--samples", samples, 1), ("--num-problems", num_problems, 1),
+                                  ("--temperature", temperature, 1e-9)):
+        if value is not None and value < least:
+            raise ValueError(f"{option}: takes {'more than 0' if least < 1 else '1 or more'}; got {value}")
     model_dir, version, run = resolve_target(target, version)
     parsed = [parse_task(option) for option in task_options]
-    pipes = [pipe for _, pipe in parsed if pipe is not None] + ([run] if run is not None else [])
     tasks: dict[str, EvalTask] = {}
-    for found, _ in parsed:
+    for option, (found, _) in zip(task_options, parsed):
         if twice := found.keys() & tasks.keys():
-            raise ValueError(f"--task: two tasks are named {sorted(twice)}; hint: give one a name: key")
+            raise ValueError(f"--task {option}: a task is named {sorted(twice)} already; hint: give one a name: key")
         tasks |= found
-    tasks = tasks or (pipeline_tasks(run) if run is not None else {})
+    if not parsed and run is not None and not (tasks := pipeline_tasks(run)):
+        raise ValueError(f"{Path(target, 'pipeline.yaml')}: the run has no evaluation stage; hint: name a task, e.g. "
+                         "--task arithmetic")
     if not tasks:
         raise ValueError(f"molt eval {target}: no task; hint: --task arithmetic, --task gsm8k, "
                          "--task pipelines/quickstart.yaml (its evaluation) or a YAML mapping")
     given = {"samples": samples, "temperature": temperature}
-    tasks = {name: t.model_copy(update={k: v for k, v in given.items() if v is not None} | (
-        {"task": t.task.model_copy(update={"num_problems": num_problems})} if num_problems else {}))
+    tasks = {name: t.model_copy(update={k: v for k, v in given.items() if v is not None} | ({"task": t.task.model_copy(
+        update={"num_problems": min(num_problems, t.task.num_problems or num_problems)})} if num_problems else {}))
         for name, t in tasks.items()}
-    # the engine of the evaluation the tasks came from (its sizes), else the defaults in the run's precision
+    # the evaluation the tasks came from: its engine (sizes, precision) and policy temperature; else the defaults
     sources = [pipe for _, pipe in parsed if pipe is not None] or ([run] if run is not None and not parsed else [])
     stated: dict[str, Any] = next((c.engine.model_dump(exclude={"transport", "record_routing"})
                                    for p in sources for _, c in evaluation_stages(p)), {})
     stated = stated or ({"dtype": run.spec.policy.precision} if run is not None else {})
     engine = EngineConfig.model_validate({**stated, **({"type": engine_type} if engine_type else {})})
-    policy = next((t for t in (p.spec.policy.temperature for p in pipes) if t is not None), 1.0)
+    policy = next((t for t in (p.spec.policy.temperature for p in [*sources, run] if p) if t is not None), 1.0)
     report = asyncio.run(evaluate_model(model_dir, engine, tasks, temperature=policy, seed=seed))
     return {"target": target, "model": str(model_dir), "policy_version": version, "engine": engine.type,
             "dtype": engine.dtype, "tasks": report}

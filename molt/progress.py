@@ -41,6 +41,7 @@ class Progress:
         self.reduce: dict[str, str] = {}
         self.reached: dict[str, Any] | None = None  # the first line that met stop_when
         self.best: dict[str, Any] | None = None  # the highest value of keep_best's metric
+        self.best_logged_step = -1  # the newest step it was logged at: checkpoints after it may yet be best
         self.log_every_s, self._last_log = log_every_s, 0.0
         self._live: Live | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,10 +95,13 @@ class Progress:
                     self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = (rec["time"], v)
                 self.reduce.update(rec.get("reduce", {}))
                 stop, best = self.pipe.spec.stop_when, rec["values"].get(self.pipe.spec.keep_best)
-                if self.reached is None and stop and stop.metric in rec["values"] and stop.met(rec["values"]):
+                if (self.reached is None and stop and stop.metric in rec["values"] and rec["time"] >= self.start_unix
+                        and stop.met(rec["values"])):  # a resumed run's earlier lines do not stop it
                     self.reached = moment(rec, rec["values"][stop.metric], self.start_unix)
-                if best is not None and (self.best is None or best > self.best["value"]):
-                    self.best = moment(rec, best, self.start_unix)
+                if best is not None:
+                    self.best_logged_step = max(self.best_logged_step, rec.get("step") or 0)
+                    if self.best is None or best > self.best["value"]:
+                        self.best = moment(rec, best, self.start_unix)
 
     def summary(self) -> dict[str, float]:
         """The latest value of every metric key, combined across replicas by its

@@ -33,10 +33,8 @@ that was not just an upstream error -- with the stage id and traceback, and the 
 exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
 also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
-Target: with ``stop_when: {metric, at_least}`` the runner stops every process the same way at the
-first metric line that meets it, and the run ends ok (exit 0); ``summary.json``'s ``stop_when``
-holds the condition and ``reached``: the value, its step and seconds after the start (null if never).
-``keep_best`` spares the checkpoint at a metric's best step from pruning (molt.targets).
+A run's targets (molt.targets): it stops the same way, ok, once ``stop_when`` is met; ``keep_best``
+spares checkpoints from pruning.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from molt.pipeline import Pipeline
 from molt.placement import LocalBackend, PlacementError, free_port, stop_signals_deferred
 from molt.progress import Progress
 from molt.stage import SCRATCH_ENV, scratch_folder
+from molt.targets import warn_unlogged
 
 log = get_logger("runner")
 
@@ -253,12 +252,13 @@ class Runner:
             return code
 
     def _prune(self, progress: Progress) -> Path | None:
-        """Keep the newest ``keep_checkpoints`` and, with ``keep_best``, the checkpoint at the best step;
-        returns that one (None: no best yet, or no complete checkpoint at its step)."""
-        best = None
-        if progress.best is not None:
-            best = trainer_checkpoints(self.run_dir, self.replica_names).get(progress.best["step"], (None,))[0]
-        prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints, [best] if best else [])
+        """Keep the newest ``keep_checkpoints`` and, with ``keep_best``, the checkpoint at the best step and
+        those after the metric's newest step (not evaluated yet); returns the best's (None: none yet)."""
+        found = trainer_checkpoints(self.run_dir, self.replica_names) if self.pipe.spec.keep_best else {}
+        best = found.get(progress.best["step"], (None,))[0] if progress.best else None
+        pending = [folder for version, (folder, _) in found.items() if version > progress.best_logged_step]
+        prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints,
+                          pending + ([best] if best else []))
         return best
 
     def stop(self, hurry: Sequence[int] = ()) -> None:
@@ -301,6 +301,7 @@ class Runner:
         summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
                    "error": failure.get("error"), "results": results, "results_history": history,
                    "metrics": metrics}
+        warn_unlogged(self.pipe.spec.stop_when, self.pipe.spec.keep_best, metrics)
         if (stop := self.pipe.spec.stop_when) is not None:  # reached: None, or when and at what value
             summary["stop_when"] = {**stop.model_dump(), "reached": progress.reached}
         if self.pipe.spec.keep_best is not None:  # the best value, its step and the checkpoint kept for it

@@ -8,6 +8,7 @@ metric's highest value beside the newest ``keep_checkpoints``. Both name a metri
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,10 +32,16 @@ class StopWhen(BaseModel):
         """Whether a metric line's ``values`` (it holds ``metric``) meet the target."""
         stderr = values.get(f"{self.metric}_stderr")
         if self.lower_bound and stderr is None:
-            log.warning("stop_when.lower_bound: %s has no %s_stderr beside it; the line does not count",
-                        self.metric, self.metric)
+            if self.metric not in _warned:
+                _warned.add(self.metric)
+                log.warning("stop_when.lower_bound: %s has no %s_stderr beside it; such lines do not count",
+                            self.metric, self.metric)
             return False
-        return values[self.metric] - (stderr if self.lower_bound and stderr else 0.0) >= self.at_least
+        margin = (stderr or 0.0) if self.lower_bound else 0.0  # the lower bound's stderr is there (above)
+        return values[self.metric] - margin >= self.at_least
+
+
+_warned: set[str] = set()  # metrics whose missing _stderr was reported
 
 
 def check_metric_keys(stop_when: StopWhen | None, keep_best: str | None, stages: Iterable[str], source: str) -> None:
@@ -50,5 +57,17 @@ def check_metric_keys(stop_when: StopWhen | None, keep_best: str | None, stages:
 
 
 def moment(rec: dict[str, Any], value: float, start_unix: float) -> dict[str, Any]:
-    """What summary.json says of a metric line: its value, step and seconds since ``start_unix``."""
-    return {"value": value, "step": rec.get("step"), "time_s": round(rec["time"] - start_unix, 1)}
+    """What summary.json says of a metric line: its value, step and seconds since ``start_unix`` (null
+    for a line logged before it: a resumed run's earlier part)."""
+    since = rec["time"] - start_unix
+    return {"value": value, "step": rec.get("step"), "time_s": round(since, 1) if since >= 0 else None}
+
+
+def warn_unlogged(stop_when: StopWhen | None, keep_best: str | None, logged: Iterable[str]) -> None:
+    """At a run's end: warn of a ``stop_when.metric`` or ``keep_best`` no process ever logged (a typo,
+    e.g. evaluate/acuracy), naming the closest keys that were."""
+    known = list(logged)
+    for key, metric in {"stop_when.metric": stop_when.metric if stop_when else None, "keep_best": keep_best}.items():
+        if metric is not None and metric not in known:
+            log.warning("%s: no process logged %r; closest logged keys: %s", key, metric,
+                        difflib.get_close_matches(metric, known, n=3, cutoff=0.5))

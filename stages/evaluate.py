@@ -23,8 +23,7 @@ cannot delete a version still to be evaluated; only the newest link (and one bei
     evaluate:
       class: stages.evaluate.Evaluate
       config: {task: {type: arithmetic, split: eval, num_problems: 500}, every_versions: 4}
-      # or: {tasks: {arithmetic: {task: {...}}, gsm8k: {task: {...}, samples: 8, temperature: 0.8,
-      #                                               every_versions: 16}}, every_versions: 4}
+      # or {tasks: {a: {task: {...}}, b: {task: {...}, samples: 8, temperature: 0.8, every_versions: 16}}}
     edges:
       - {from: broadcast.weights, to: evaluate.weights, kind: broadcast}
 """
@@ -44,10 +43,9 @@ from pydantic import Field
 from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
-from molt.evaluation import EvaluationConfig, evaluate, load_problems, metric_key, task_key
+from molt.evaluation import EvaluationConfig, evaluate, evaluated_before, load_problems, metric_key, task_key
 from molt.schema import batch_from_rows, make_schema
 from molt.stage import Port, Service, StageConfig, scratch_folder
-from molt.metrics import logged_steps
 from molt.tasks import preflight_task
 
 EVAL_SCHEMA = make_schema([
@@ -88,9 +86,7 @@ class Evaluate(Service):
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
         self.loading: Path | None = None  # the link an engine is loading
-        before = logged_steps(self.ctx.run_dir and self.ctx.run_dir / "metrics" / f"{self.ctx.stage_id}.{replica}.jsonl")
-        self.evaluated = {name: before.get(f"{self.ctx.stage_id}/{metric_key(name, 'accuracy')}", set())
-                          for name in self.tasks}  # versions a resumed run has evaluated already
+        self.evaluated = evaluated_before(self.ctx.run_dir, f"{self.ctx.stage_id}.{replica}", list(self.tasks))
         self.log.info("%s", "; ".join(f"{name or 'task'}: {len(self.problems[name])} problems, every "
                                       f"{t.every_versions} versions" for name, t in self.tasks.items()))
 
@@ -110,7 +106,7 @@ class Evaluate(Service):
             end = waiting[-1] is None
             records = [r for r in waiting if r is not None]
             due |= {name for name, t in self.tasks.items() for r in records
-                    if r["policy_version"] % (t.every_versions or 1) == 0}
+                    if r["policy_version"] % t.every_versions == 0}  # type: ignore[operator]  # set
             last = next((r for r in reversed(records) if r["uri"] is not None), last)  # older links: gone
             if due and last is not None:
                 await self._load_and_evaluate(last, self._not_yet(due, last["policy_version"]))

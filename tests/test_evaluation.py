@@ -52,6 +52,7 @@ def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
     arith = parse_task("arithmetic")[0]["arithmetic"]
     assert (arith.task.split, arith.grader.type, arith.samples) == ("eval", "math", 1)
     assert parse_task("shapes")[0]["shapes"].grader.type == "shapes"
+    assert parse_task("{type: shapes, split: eval}")[0]["shapes"].grader.type == "shapes"  # the task's grader
     mapped, _ = parse_task("{type: arithmetic, split: eval, num_problems: 7, max_new_tokens: 9, samples: 4, name: small}")
     assert (mapped["small"].task.num_problems, mapped["small"].max_new_tokens, mapped["small"].samples) == (7, 9, 4)
     tasks, pipe = parse_task("pipelines/quickstart.yaml")
@@ -87,6 +88,8 @@ def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights
     assert alone["policy_version"] is None and alone["tasks"]["arithmetic"]["accuracy"] == values["accuracy"]
     assert main(["eval", str(full_rl_run), "--version", "99", "--task", task]) == 2
     assert "no complete checkpoint at step 99; got checkpoints at steps [0, 1, 2, 3, 4]" in capsys.readouterr().err
+    assert main(["eval", str(full_rl_run), "--samples", "4", "--temperature", "0"]) == 2
+    assert "--temperature: takes more than 0; got 0.0" in capsys.readouterr().err
 
 
 def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats_none(tiny_chat_model, tmp_path,
@@ -106,18 +109,14 @@ def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats
     rows = [r for b in read_batches(tmp_path / "run" / "record" / "evaluate.out--eval_sink.in") for r in b.to_pylist()]
     assert sorted((r["task"], r["policy_version"]) for r in rows) == sorted(
         [("arith", v) for v in arith] + [("sampled", v) for v in sampled])
-    # stopped at version 2: checkpoints and evaluations after it never happened; the resume repeats none
+    # resumed from version 2 (barrier_5): versions up to 2 are not evaluated again, later ones are (new weights)
     drop_checkpoints_after(tmp_path / "run", 5)
-    for name in ("metrics/evaluate.0.jsonl", "metrics.jsonl"):
-        lines = (tmp_path / "run" / name).read_text().splitlines()
-        (tmp_path / "run" / name).write_text("".join(line + "\n" for line in lines if not (
-            json.loads(line)["stage"] == "evaluate" and (json.loads(line)["step"] or 0) > 2)))
     code = Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False, resume=True).run()
     assert code == 0
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "evaluate.0.jsonl").read_text().splitlines()]
-    for key in ("evaluate/arith/accuracy", "evaluate/sampled/accuracy"):
-        steps = [rec["step"] for rec in lines if key in rec["values"]]
-        assert len(steps) == len(set(steps)) and max(steps) == 4, (key, steps)
+    for key, first in (("evaluate/arith/accuracy", arith), ("evaluate/sampled/accuracy", sampled)):
+        again = [rec["step"] for rec in lines if key in rec["values"]][len(first):]
+        assert again and min(again) > 2 and max(again) == 4 and len(again) == len(set(again)), (key, again)
     assert sum("evaluate/arith/accuracy_baseline" in rec["values"] for rec in lines) == 1
 
 

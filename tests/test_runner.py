@@ -214,6 +214,39 @@ def test_stop_when_ends_the_run_cleanly_at_the_first_line_that_meets_it_and_says
         Pipeline.from_spec({**spec, "stop_when": {"metric": "sinks/rows_in", "at_least": 1}})
 
 
+def test_stop_when_counts_only_this_starts_lines_and_an_unlogged_target_is_named(tmp_path):
+    import logging
+
+    from molt.pipeline import Pipeline
+    from molt.progress import Progress
+    from molt.targets import warn_unlogged
+
+    spec = chain(num_groups=1)
+    spec["stop_when"] = {"metric": "sink/score", "at_least": 0.5}
+    (tmp_path / "metrics").mkdir(parents=True)
+    progress = Progress(Pipeline.from_spec(spec), tmp_path, live=False)
+    line = {"stage": "sink", "replica": 0, "step": 3, "values": {"sink/score": 0.9}}
+    with open(tmp_path / "metrics" / "sink.0.jsonl", "w") as f:  # a resumed run's earlier part, then this one's
+        f.write(json.dumps({**line, "time": progress.start_unix - 60}) + "\n")
+    progress.update(0.0)
+    assert progress.reached is None
+    with open(tmp_path / "metrics" / "sink.0.jsonl", "a") as f:
+        f.write(json.dumps({**line, "time": progress.start_unix + 5}) + "\n")
+    progress.update(0.0)
+    assert progress.reached == {"value": 0.9, "step": 3, "time_s": 5.0}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("molt.runner").addHandler(handler)
+    try:
+        warn_unlogged(None, "sink/scroe", ["sink/score", "sink/rows_in"])
+    finally:
+        logging.getLogger("molt.runner").removeHandler(handler)
+    [record] = records
+    assert record.getMessage().startswith("keep_best: no process logged 'sink/scroe'; closest logged keys: "
+                                          "['sink/score'")
+
+
 def test_keep_best_keeps_the_checkpoint_at_the_best_step_beside_the_newest(tmp_path, no_orphans):
     spec = {"name": "best", "keep_checkpoints": 1, "keep_best": "scorer/score", "stages": {
         "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 1, "checkpoint_every_batches": 1}},
