@@ -134,7 +134,8 @@ def resumed_version(run_dir: Path) -> int | None:
     plan = Path(run_dir) / "resume.json"
     if not plan.is_file():
         return None
-    states = [json.loads(f.read_text())["state"] for f in Path(json.loads(plan.read_text())["checkpoint"]).glob("*.json")]
+    folder = Path(json.loads(plan.read_text())["checkpoint"])
+    states = [read_replica_state(folder, f.stem)["state"] for f in folder.glob("*.json")]
     return max((s["version"] for s in states if "version" in s), default=None)
 
 

@@ -50,10 +50,16 @@ def check_metric_keys(stop_when: StopWhen | None, keep_best: str | None, stages:
     Raises:
         ValueError: naming the file, the key and the stages there are.
     """
-    for key, metric in {"stop_when.metric": stop_when.metric if stop_when else None, "keep_best": keep_best}.items():
-        if metric is not None and metric.split("/")[0] not in (known := sorted(stages)):
+    for key, metric in _named(stop_when, keep_best).items():
+        if metric.split("/")[0] not in (known := sorted(stages)):
             raise ValueError(f"{source}: {key}: {metric!r} names no stage (metric keys are STAGE/NAME, e.g. "
                              f"evaluate/accuracy); stages: {known}")
+
+
+def _named(stop_when: StopWhen | None, keep_best: str | None) -> dict[str, str]:
+    """The target metrics a pipeline sets, by their YAML key."""
+    named = {"stop_when.metric": stop_when.metric if stop_when else None, "keep_best": keep_best}
+    return {key: metric for key, metric in named.items() if metric is not None}
 
 
 def moment(rec: dict[str, Any], value: float, start_unix: float) -> dict[str, Any]:
@@ -67,7 +73,7 @@ def warn_unlogged(stop_when: StopWhen | None, keep_best: str | None, logged: Ite
     """At a run's end: warn of a ``stop_when.metric`` or ``keep_best`` no process ever logged (a typo,
     e.g. evaluate/acuracy), naming the closest keys that were."""
     known = list(logged)
-    for key, metric in {"stop_when.metric": stop_when.metric if stop_when else None, "keep_best": keep_best}.items():
-        if metric is not None and metric not in known:
+    for key, metric in _named(stop_when, keep_best).items():
+        if metric not in known:
             log.warning("%s: no process logged %r; closest logged keys: %s", key, metric,
                         difflib.get_close_matches(metric, known, n=3, cutoff=0.5))
