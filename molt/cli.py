@@ -118,8 +118,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluate a model, or a run at a policy version, on one or several tasks (molt.evaluation)."""
-    from molt.evaluation import describe, eval_report
+    """Evaluate a model, or a run at a policy version, on one or several tasks (molt.eval_command)."""
+    from molt.eval_command import describe, eval_report
 
     report = eval_report(args.target, args.version, args.task, args.samples, args.temperature, args.num_problems,
                          args.engine, args.seed)
@@ -373,7 +373,7 @@ def _eval_command(sub: Any) -> None:
     ev.add_argument("target", help="a run directory (its checkpoints), a model folder or a built-in model name")
     ev.add_argument("--version", type=int, help="a run's policy version (a complete checkpoint; default: the newest)")
     ev.add_argument("--task", action="append", default=[], help="arithmetic, shapes, gsm8k, a pipeline file or a "
-                    "YAML mapping, again for several (molt.evaluation.parse_task); default: the run's evaluation")
+                    "YAML mapping, again for several (molt.eval_command.parse_task); default: the run's evaluation")
     ev.add_argument("--samples", type=int, help="k samples per problem besides the greedy one (default: 1)")
     ev.add_argument("--temperature", type=float, help="of the samples (default: the policy's, else 1.0)")
     ev.add_argument("--num-problems", type=int, help="the first N problems of each task")

@@ -1,7 +1,8 @@
 """Scoring a policy on held-out problems: greedy accuracy, and pass@k, avg@k, maj@k from k samples.
 
-Used by the evaluation stage (stages.evaluate) and by ``molt eval``. One evaluation of a task:
-every problem, one greedy completion (temperature 0) and, with ``samples`` n > 1, n completions at
+Used by the evaluation stage (stages.evaluate), a rollout's ``evaluate:`` (on the rollout's engine; both
+through `Evaluator`) and ``molt eval`` (molt.eval_command). One evaluation of a task: every problem, one
+greedy completion (temperature 0) and, with ``samples`` n > 1, n completions at
 ``temperature``, each graded against the problem's answer (molt.graders). Per problem, with c of its
 n samples right (score 1):
 
@@ -21,26 +22,33 @@ sqrt(p (1 - p) / N)). Example: n = 5, c = 2 -> pass@1 0.4, pass@2 0.7, pass@4 1.
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt.agents import ChatTemplate, SingleTurn, run_episode
-from molt.config import validate
 from molt.engines.base import Engine, SamplingParams
 from molt.graders import Grade, GraderConfig, MathGrader
 from molt.metrics import logged_steps
-from molt.pipeline import Pipeline
+from molt.schema import batch_from_rows, make_schema
 from molt.stage import StageConfig
 from molt.tasks import TaskConfig
+
+EVAL_SCHEMA = make_schema([
+    pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
+    pa.field("accuracy", pa.float64(), metadata={b"doc": b"fraction of problems answered right, greedy"}),
+    pa.field("accuracy_stderr", pa.float64(), metadata={b"doc": b"binomial standard error sqrt(p(1-p)/n)"}),
+    pa.field("num_problems", pa.int64(), metadata={b"doc": b"problems evaluated"}),
+    pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
+    pa.field("task", pa.string(), metadata={b"doc": b"the task's name in tasks; empty for the one task"}),
+], "eval")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -90,10 +98,20 @@ def sampled_metrics(grades: Sequence[Sequence[Grade]]) -> dict[str, list[float]]
 async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any,
                         params: SamplingParams, samples: int, max_model_len: int, tag: str) -> list[list[Grade]]:
     """``samples`` single-turn completions of every problem, all in flight at once, each graded
-    (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``. Returns [problem][sample]."""
+    (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``. Returns [problem][sample].
+
+    Raises:
+        RuntimeError: a completion holds tokens of a policy version other than the engine's at the start
+            (its weights changed during the evaluation).
+    """
+    version = engine.policy_version
+
     async def one(index: int, problem: dict[str, Any], sample: int) -> Grade:
         episode = await run_episode(engine, chat, SingleTurn(), problem, params, f"{tag}-{index}.{sample}", 1,
                                     max_model_len)
+        if other := {v for seg in episode.segments for v, m in zip(seg.policy_version, seg.loss_mask) if m} - {version}:
+            raise RuntimeError(f"evaluation {tag}: a completion holds tokens of version {sorted(other)} in an "
+                               f"evaluation of version {version}; the weights changed during it")
         grade: Grade = grader.grade(episode.completion_text, str(problem["answer"]))
         return grade
 
@@ -218,170 +236,96 @@ def task_key(prefix: str) -> str:
     return f"tasks.{prefix}" if prefix else "task"
 
 
-# A bare --task NAME: the held-out split of a generated task, the test set the project ships.
-NAMED_TASKS: dict[str, dict[str, Any]] = {
-    "arithmetic": {"task": {"type": "arithmetic", "split": "eval"}},
-    "shapes": {"task": {"type": "shapes", "split": "eval"}},
-    "gsm8k": {"task": {"type": "gsm8k", "path": "data/gsm8k/test.jsonl"}, "max_new_tokens": 256},
-}
+class Evaluator:
+    """The evaluations of one stage, of its ``engine`` (read at each use: a restarted one is taken) with its
+    ``chat`` template: stages.evaluate's on its own engine, or a rollout's ``evaluate:`` on the rollout's.
+    Holds each task's problems and the versions it was evaluated at (a resumed run's too: `evaluated_before`).
+    ``base`` prefixes the metric keys (``eval``: ``rollout/eval/accuracy``, ``rollout/eval/gsm8k/pass@8``),
+    ``port`` is the stage's output for one EVAL_SCHEMA row per task and evaluation.
 
-
-def evaluation_stages(pipe: Pipeline) -> list[tuple[str, Any]]:
-    """(stage id, config) of each evaluation stage of ``pipe`` (its config an `EvaluationConfig` with an
-    ``engine``, as stages.evaluate.Evaluate's)."""
-    return [(sid, n.config) for sid, n in pipe.stages.items() if isinstance(n.config, EvaluationConfig)]
-
-
-def pipeline_tasks(pipe: Pipeline) -> dict[str, EvalTask]:
-    """The tasks of ``pipe``'s evaluation stages by their metric prefix: ``evaluate`` (a stage's one
-    ``task``), ``evaluate/gsm8k`` (one of its ``tasks``)."""
-    return {"/".join(filter(None, (sid, name))): t for sid, c in evaluation_stages(pipe)
-            for name, t in c.evaluations().items()}
-
-
-def parse_task(option: str) -> tuple[dict[str, EvalTask], Pipeline | None]:
-    """The tasks one ``--task`` names, by name, and the pipeline they came from (or None).
-
-    ``option`` is a pipeline file (its evaluation stages' tasks: `pipeline_tasks`), a YAML mapping
-    of :class:`EvalTask` keys and ``name`` (default: the task's type) whose task keys may sit at its
-    top level (``{type: arithmetic, split: eval, num_problems: 500}``), or a name of :data:`NAMED_TASKS`.
-
-    Raises:
-        ValueError: not YAML, an invalid task, or a pipeline without an evaluation stage, naming ``option``.
+    On a rollout's engine, an evaluation runs in the background (`start`), its requests batched with the
+    rollout's, at their own sampling settings and never in a trajectory, and again whole on a restarted
+    engine (``retrying``: molt.engines.restart); the rollout's refits wait for it (`refit`), so that it is
+    of one version (checked: `grade_samples`), and at the end (`finish`) the last version is evaluated on
+    every task, as stages.evaluate does. With ``config`` None it has no task and does nothing.
     """
-    if option.endswith((".yaml", ".yml")):
-        pipe = Pipeline.from_yaml(option)
-        if not (found := pipeline_tasks(pipe)):
-            raise ValueError(f"--task {option}: the pipeline has no evaluation stage (stages.evaluate.Evaluate); "
-                             "hint: name a task, e.g. --task arithmetic")
-        return found, pipe
-    try:
-        data = yaml.safe_load(option)
-    except yaml.YAMLError as e:
-        raise ValueError(f"--task {option!r}: not YAML: {e}") from None
-    if isinstance(data, str) and data not in NAMED_TASKS:
-        raise ValueError(f"--task {option!r}: unknown task; hint: one of {sorted(NAMED_TASKS)}, a pipeline file, "
-                         "or a mapping such as '{type: arithmetic, split: eval}'")
-    data = copy.deepcopy(NAMED_TASKS[data]) if isinstance(data, str) else data
-    if not isinstance(data, dict):
-        raise ValueError(f"--task {option!r}: expected a task name, a pipeline file or a YAML mapping")
-    name = data.pop("name", None)
-    if "task" not in data:  # the task's own keys at the top level
-        data = {"task": {k: v for k, v in data.items() if k not in EvalTask.model_fields},
-                **{k: v for k, v in data.items() if k in EvalTask.model_fields}}
-    name = name or (data["task"].get("type", "task") if isinstance(data["task"], dict) else "task")
-    return {str(name): validate(EvalTask, data, f"--task {option!r}", ())}, None
 
+    def __init__(self, stage: Any, config: EvaluationConfig | None, where: str, port: str, base: str = "",
+                 retrying: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None) -> None:
+        self.stage, self.port, self.base, self.retrying = stage, port, base, retrying
+        self.tasks = config.evaluations() if config is not None else {}
+        self.prefix = {name: "/".join(filter(None, (base, name))) for name in self.tasks}
+        self.problems = {name: load_problems(t.task, f"{where}.{task_key(name)}") for name, t in self.tasks.items()}
+        before = evaluated_before(stage.ctx.run_dir, f"{stage.ctx.stage_id}.{stage.ctx.replica}",
+                                  list(self.prefix.values()))
+        self.evaluated = {name: before[self.prefix[name]] for name in self.tasks}
+        self.task: asyncio.Task[None] | None = None  # the evaluation `start` started
+        if self.tasks:
+            stage.log.info("%s", "; ".join(f"{self.prefix[name] or 'evaluation'}: {len(self.problems[name])} problems, "
+                                           f"every {t.every_versions} versions" for name, t in self.tasks.items()))
 
-def resolve_target(target: str, version: int | None) -> tuple[Path, int | None, Pipeline | None]:
-    """(model folder, policy version, the run's pipeline) of ``molt eval TARGET``.
+    def not_yet(self, version: int, names: Any = None) -> list[str]:
+        """Those of ``names`` (default: every task) not evaluated at ``version``."""
+        return [name for name in self.tasks if (names is None or name in names) and version not in self.evaluated[name]]
 
-    A run directory (it holds ``pipeline.yaml``) gives the trainer's weights of its complete checkpoint
-    at ``version`` (default: the newest), a Hugging Face folder (molt.train.checkpoint); anything else
-    is a model folder or built-in name (molt.models.resolve_model), at version None.
+    def due(self, version: int) -> list[str]:
+        """The tasks to evaluate at the newest ``version``: those with a multiple of their ``every_versions``
+        published after the last version they were evaluated at (0: every task, in a new run)."""
+        last_due = {name: version - version % (t.every_versions or 1) for name, t in self.tasks.items()}
+        return [name for name in self.not_yet(version) if last_due[name] > max(self.evaluated[name], default=-1)]
 
-    Raises:
-        ValueError: no checkpoint at ``version`` (listing those there are), or ``version`` given for a model.
-    """
-    from molt.checkpoint import checkpoint_at_version, replica_names, trainer_checkpoints
-    from molt.models import resolve_model
+    def start(self, final: bool = False) -> None:
+        """Evaluate the engine's version in the background on the tasks `due` (``final``: every task
+        `not_yet` evaluated at it), if any; the evaluation before must have ended."""
+        assert self.task is None or self.task.done(), "one evaluation at a time"
+        if names := (self.not_yet if final else self.due)(self.stage.engine.policy_version):
+            run = self.retrying or (lambda attempt: attempt())
+            self.task = asyncio.create_task(run(lambda: self.run(names)), name="evaluation")  # type: ignore[arg-type]
 
-    run = Path(target)
-    if not (run / "pipeline.yaml").is_file():
-        if version is not None:
-            raise ValueError(f"--version {version}: {target!r} is a model, not a run directory (no pipeline.yaml)")
-        return resolve_model(target), None, None
-    pipe = Pipeline.from_yaml(run / "pipeline.yaml")
-    names = replica_names(pipe.checkpointed())
-    if version is None and (version := max(trainer_checkpoints(run, names), default=None)) is None:
-        raise ValueError(f"{run}: no complete checkpoint holds a trainer's weights; hint: a source takes them "
-                         "with checkpoint_every_batches")
-    folder, trainer = checkpoint_at_version(run, names, version)
-    return folder / trainer, version, pipe
+    async def refit(self, refit: Callable[[], Awaitable[float | None]], wait: bool) -> float | None:
+        """``await refit()`` (a refit of the engine: the seconds it took, or None) once no evaluation runs, then
+        `start` those due at the engine's version (the first call: the initial weights'); while one runs, None
+        at once unless ``wait``. Raises what the evaluation raised."""
+        if self.task is not None and not self.task.done() and not wait:
+            return None
+        await self._ended()
+        seconds = await refit()
+        self.start()
+        return seconds
 
+    async def finish(self) -> None:
+        """The evaluation running, then one of the last version on every task not evaluated at it."""
+        await self._ended()
+        self.start(final=True)
+        await self._ended()
 
-async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, EvalTask],
-                         temperature: float = 1.0, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Start one engine on ``model_dir`` and evaluate it on each task (the module docstring; samples at
-    the task's temperature, else ``temperature``); per task name: the metrics with ``num_problems``,
-    ``seconds`` (wall time of that task), ``samples`` and ``temperature``."""
-    from molt.engines.config import make_engine
+    async def _ended(self) -> None:
+        if self.task is not None:
+            await self.task  # raises what it raised
 
-    problems = {name: load_problems(t.task, f"--task {name}") for name, t in tasks.items()}
-    engine = make_engine(engine_config, str(model_dir), "molt eval --engine", 0, seed)
-    try:
-        chat, report = ChatTemplate.for_model(model_dir), {}
-        for name, t in tasks.items():
-            heat = (temperature if t.temperature is None else t.temperature) if t.samples > 1 else None
-            start = time.monotonic()
-            values = await evaluate(engine, chat, problems[name], t.grader, max_new_tokens=t.max_new_tokens,
-                                    max_model_len=engine_config.max_model_len, samples=t.samples,
-                                    temperature=heat or 0.0, tag=name)
-            report[name] = {**values, "num_problems": len(problems[name]), "seconds": time.monotonic() - start,
-                            "samples": t.samples, "temperature": heat}
-        return report
-    finally:
-        engine.close()
+    def close(self) -> None:
+        """Cancel an evaluation still running (a failed stage's)."""
+        if self.task is not None:
+            self.task.cancel()
 
-
-def describe(report: dict[str, Any]) -> str:
-    """``molt eval``'s table: a header, then per task each metric with its standard error."""
-    version = "" if report["policy_version"] is None else f" at version {report['policy_version']}"
-    model = "" if report["model"] == report["target"] else f" ({report['model']})"
-    lines = [f"{report['target']}{version}{model}, {report['engine']} {report['dtype']}"]
-    for name, values in report["tasks"].items():
-        sampled = f", {values['samples']} samples at temperature {values['temperature']:g}" if values["samples"] > 1 \
-            else ""
-        lines.append(f"{name}: {values['num_problems']} problems{sampled}, {values['seconds']:.1f} s")
-        lines += [f"  {key:<12} {value:.4f} ± {values[f'{key}_stderr']:.4f}" for key, value in values.items()
-                  if f"{key}_stderr" in values]
-    return "\n".join(lines)
-
-
-def eval_report(target: str, version: int | None = None, task_options: Sequence[str] = (),
-                samples: int | None = None, temperature: float | None = None, num_problems: int | None = None,
-                engine_type: str | None = None, seed: int = 0) -> dict[str, Any]:
-    """What ``molt eval`` reports: ``target`` (resolve_target) on each task (parse_task; default: a run's
-    evaluation), on the engine of the evaluation stage the tasks came from (a ``--task`` pipeline's or the
-    run's: its sizes and precision; else the defaults, in the run's precision), ``engine_type`` replacing
-    its type. ``samples``,
-    ``temperature`` and ``num_problems`` replace each task's own when given; a task's samples without a
-    temperature take the pipelines' policy temperature, else 1.0.
-
-    Raises:
-        ValueError: no task, two tasks named alike, ``samples`` or ``num_problems`` below 1, or what
-            resolve_target and parse_task raise.
-    """
-    from molt.engines.config import EngineConfig
-
-    for option, value, least in (("--samples", samples, 1), ("--num-problems", num_problems, 1),
-                                  ("--temperature", temperature, 1e-9)):
-        if value is not None and value < least:
-            raise ValueError(f"{option}: takes {'more than 0' if least < 1 else '1 or more'}; got {value}")
-    model_dir, version, run = resolve_target(target, version)
-    parsed = [parse_task(option) for option in task_options]
-    tasks: dict[str, EvalTask] = {}
-    for option, (found, _) in zip(task_options, parsed):
-        if twice := found.keys() & tasks.keys():
-            raise ValueError(f"--task {option}: a task is named {sorted(twice)} already; hint: give one a name: key")
-        tasks |= found
-    if not parsed and run is not None and not (tasks := pipeline_tasks(run)):
-        raise ValueError(f"{Path(target, 'pipeline.yaml')}: the run has no evaluation stage; hint: name a task, e.g. "
-                         "--task arithmetic")
-    if not tasks:
-        raise ValueError(f"molt eval {target}: no task; hint: --task arithmetic, --task gsm8k, "
-                         "--task pipelines/quickstart.yaml (its evaluation) or a YAML mapping")
-    given = {"samples": samples, "temperature": temperature}
-    tasks = {name: t.model_copy(update={k: v for k, v in given.items() if v is not None} | ({"task": t.task.model_copy(
-        update={"num_problems": min(num_problems, t.task.num_problems or num_problems)})} if num_problems else {}))
-        for name, t in tasks.items()}
-    # the evaluation the tasks came from: its engine (sizes, precision) and policy temperature; else the defaults
-    sources = [pipe for _, pipe in parsed if pipe is not None] or ([run] if run is not None and not parsed else [])
-    stated: dict[str, Any] = next((c.engine.model_dump(exclude={"transport", "record_routing"})
-                                   for p in sources for _, c in evaluation_stages(p)), {})
-    stated = stated or ({"dtype": run.spec.policy.precision} if run is not None else {})
-    engine = EngineConfig.model_validate({**stated, **({"type": engine_type} if engine_type else {})})
-    policy = next((t for t in (p.spec.policy.temperature for p in [*sources, run] if p) if t is not None), 1.0)
-    report = asyncio.run(evaluate_model(model_dir, engine, tasks, temperature=policy, seed=seed))
-    return {"target": target, "model": str(model_dir), "policy_version": version, "engine": engine.type,
-            "dtype": engine.dtype, "tasks": report}
+    async def run(self, names: list[str]) -> None:
+        """Evaluate the engine's current weights on each of ``names``: logs its metrics at step = version and
+        sends its row. Raises what `evaluate` raises."""
+        engine, version = self.stage.engine, self.stage.engine.policy_version
+        for name in names:
+            t, prefix, start = self.tasks[name], self.prefix[name], time.monotonic()
+            values: dict[str, Any] = await evaluate(
+                engine, self.stage.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
+                max_model_len=self.stage.config.engine.max_model_len, samples=t.samples,
+                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}")
+            values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
+            if not self.evaluated[name]:
+                values["accuracy_baseline"] = values["accuracy"]
+            self.evaluated[name].add(version)
+            self.stage.metrics.log({metric_key(prefix, k): v for k, v in values.items()} | {
+                metric_key(self.base, "policy_version"): version}, step=version)
+            self.stage.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)", version,
+                                f" {prefix}" if prefix else "", values["accuracy"], values["accuracy_stderr"],
+                                values["num_problems"], values["seconds"])
+            row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values}, "policy_version": version, "task": name}
+            await self.stage.send(self.port, batch_from_rows([row], EVAL_SCHEMA))

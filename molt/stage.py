@@ -126,7 +126,11 @@ class Stage:
     @classmethod
     def preflight(cls, config: StageConfig, where: str) -> None:
         """Checks beyond the config's types (files, datasets) that `molt run` and `molt sweep` make
-        once, before any process starts; raise ValueError naming ``where`` (the config's YAML path)."""
+        once, before any process starts; raise ValueError naming ``where`` (the config's YAML path).
+        By default every task the config holds is loaded (molt.tasks.preflight_tasks)."""
+        from molt.tasks import preflight_tasks
+
+        preflight_tasks(config, where)
 
     def setup(self) -> None:
         """Load models, open files. Runs after the sockets are connected."""

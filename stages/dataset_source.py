@@ -33,7 +33,7 @@ from torchdata.nodes import Batcher
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Source, StageConfig, StageContext
-from molt.tasks import PromptNode, Record, Task, TaskConfig, preflight_task, prompt_batches
+from molt.tasks import PromptNode, Record, Task, TaskConfig, prompt_batches
 from molt.transport import Barrier
 
 WRITES = ("prompt_id", "metadata")
@@ -58,11 +58,6 @@ class DatasetSource(Source):
         self._pending: dict[str, Any] | None = None
         self._batches: Batcher[Record] | None = None
         self.num_batches = 0
-
-    @classmethod
-    def preflight(cls, config: StageConfig, where: str) -> None:
-        assert isinstance(config, cls.Config)
-        preflight_task(config.task, f"{where}.task")
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx

@@ -7,9 +7,10 @@ received (``v`` unless newer ones were waiting or its file was pruned); and at e
 version it saw on every task not evaluated at it (the final accuracy). Refits are verified
 (molt.engines.weights). A resumed run evaluates no version its metrics file holds already.
 
-One evaluation of a task (molt.evaluation): every problem, one greedy completion each and, with
-``samples: k``, k at the task's ``temperature``, graded by its ``grader``. It logs at step = policy version,
-under the stage id and, for one of ``tasks``, its name (``evaluate/accuracy``, ``evaluate/gsm8k/pass@8``)::
+One evaluation of a task (molt.evaluation.Evaluator, as a rollout's ``evaluate:`` on the rollout's engine):
+every problem, one greedy completion each and, with ``samples: k``, k at the task's ``temperature``, graded by
+its ``grader``. It logs at step = policy version, under the stage id and, for one of ``tasks``, its name
+(``evaluate/accuracy``, ``evaluate/gsm8k/pass@8``)::
 
     accuracy, accuracy_stderr    greedy; sqrt(p (1 - p) / n) for p right of n
     pass@k, avg@k, maj@k         with k samples, each with _stderr
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,19 +43,8 @@ from pydantic import Field
 from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.weights import apply_weight_record
-from molt.evaluation import EvaluationConfig, evaluate, evaluated_before, load_problems, metric_key, task_key
-from molt.schema import batch_from_rows, make_schema
-from molt.stage import Port, Service, StageConfig, scratch_folder
-from molt.tasks import preflight_task
-
-EVAL_SCHEMA = make_schema([
-    pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
-    pa.field("accuracy", pa.float64(), metadata={b"doc": b"fraction of problems answered right, greedy"}),
-    pa.field("accuracy_stderr", pa.float64(), metadata={b"doc": b"binomial standard error sqrt(p(1-p)/n)"}),
-    pa.field("num_problems", pa.int64(), metadata={b"doc": b"problems evaluated"}),
-    pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
-    pa.field("task", pa.string(), metadata={b"doc": b"the task's name in tasks; empty for the one task"}),
-], "eval")
+from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
+from molt.stage import Port, Service, scratch_folder
 
 
 class Evaluate(Service):
@@ -69,34 +58,24 @@ class Evaluate(Service):
     inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
     outputs: ClassVar[dict[str, Port]] = {"out": Port(schema=EVAL_SCHEMA)}
 
-    @classmethod
-    def preflight(cls, config: StageConfig, where: str) -> None:
-        for name, t in config.evaluations().items():  # type: ignore[attr-defined]  # an Evaluate.Config
-            preflight_task(t.task, f"{where}.{task_key(name)}")
-
     def setup(self) -> None:
         from molt.models import resolve_model
 
         c, where = self.config, f"stages.{self.ctx.stage_id}.config"
-        self.tasks = c.evaluations()
-        self.problems = {name: load_problems(t.task, f"{where}.{task_key(name)}") for name, t in self.tasks.items()}
+        self.evaluator = Evaluator(self, c, where, "out")
         model_dir, replica = resolve_model(c.model), self.ctx.replica
         self.chat = ChatTemplate.for_model(model_dir)
         self.engine = make_engine(c.engine, str(model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
         self.loading: Path | None = None  # the link an engine is loading
-        self.evaluated = evaluated_before(self.ctx.run_dir, f"{self.ctx.stage_id}.{replica}", list(self.tasks))
-        self.log.info("%s", "; ".join(f"{name or 'task'}: {len(self.problems[name])} problems, every "
-                                      f"{t.every_versions} versions" for name, t in self.tasks.items()))
 
     async def run(self) -> None:
         # A receiver task links each record's file as it arrives, also while an evaluation runs.
         received: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         receiver = asyncio.create_task(self._receive(received))
-        await self.evaluate(self._not_yet(self.tasks))  # the initial weights
+        await self.evaluate(self.evaluator.due(self.engine.policy_version))  # the initial weights
         last: dict[str, Any] | None = None
-        due: set[str] = set()  # tasks a version divisible by their every_versions was published for
         end = False
         while not end:
             # 1) every record received  2) keep the newest linked one  3) load + evaluate the due tasks
@@ -104,22 +83,13 @@ class Evaluate(Service):
             while not received.empty():
                 waiting.append(received.get_nowait())
             end = waiting[-1] is None
-            records = [r for r in waiting if r is not None]
-            due |= {name for name, t in self.tasks.items() for r in records
-                    if r["policy_version"] % t.every_versions == 0}  # type: ignore[operator]  # set
-            last = next((r for r in reversed(records) if r["uri"] is not None), last)  # older links: gone
-            if due and last is not None:
-                await self._load_and_evaluate(last, self._not_yet(due, last["policy_version"]))
-                due = set()
+            last = next((r for r in reversed(waiting) if r is not None and r["uri"] is not None), last)  # older: gone
+            if last is not None:
+                await self._load_and_evaluate(last, self.evaluator.due(last["policy_version"]))
         await receiver  # raises what the receiver raised
         # 4) end of stream: the final version, on every task
         if last is not None:
-            await self._load_and_evaluate(last, self._not_yet(self.tasks, last["policy_version"]))
-
-    def _not_yet(self, names: Any, version: int | None = None) -> list[str]:
-        """Those of ``names`` not evaluated at ``version`` (default: the engine's)."""
-        version = self.engine.policy_version if version is None else version
-        return [name for name in self.tasks if name in names and version not in self.evaluated[name]]
+            await self._load_and_evaluate(last, self.evaluator.not_yet(last["policy_version"]))
 
     async def _receive(self, received: asyncio.Queue[dict[str, Any] | None]) -> None:
         """Put each weight record on ``received`` with ``uri`` at our hard link (None: pruned); None at the end."""
@@ -169,25 +139,8 @@ class Evaluate(Service):
         await self.evaluate(names)
 
     async def evaluate(self, names: list[str]) -> None:
-        """Evaluate the engine's current weights on each of ``names``; logs and sends each one's row."""
-        version = self.engine.policy_version
-        for name in names:
-            t, start = self.tasks[name], time.monotonic()
-            values: dict[str, Any] = await evaluate(
-                self.engine, self.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
-                max_model_len=self.config.engine.max_model_len, samples=t.samples, temperature=t.temperature or 0.0,
-                tag=f"eval-v{version}{'-' + name if name else ''}")
-            values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
-            if not self.evaluated[name]:
-                values["accuracy_baseline"] = values["accuracy"]
-            self.evaluated[name].add(version)
-            self.metrics.log({metric_key(name, k): v for k, v in values.items()} | {"policy_version": version},
-                             step=version)
-            self.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)", version,
-                          f" {name}" if name else "", values["accuracy"], values["accuracy_stderr"],
-                          values["num_problems"], values["seconds"])
-            row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values}, "policy_version": version, "task": name}
-            await self.send("out", batch_from_rows([row], EVAL_SCHEMA))
+        """Evaluate the engine's current weights on each of ``names`` (molt.evaluation.Evaluator.run)."""
+        await self.evaluator.run(names)
 
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:

@@ -5,11 +5,12 @@ Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``gr
 versions go from the engine to the record untouched. Groups leave in the order they started, the i-th only once the
 engine is at version >= i // groups_per_step - max_staleness (DESIGN §4, molt.agents.admission; a group dropped
 downstream, told on ``drops``, gives up its place). Each weight record on ``weights`` is loaded and verified (a
-failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``. Checkpoint: admission
-counters and the engine's version, which a resumed rollout waits for. A rollout whose env or agent raises, or whose
-prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost (``groups_lost``) and
-the next takes its place; if none succeeds (checked once a step's worth of groups is lost, and at the end) the stage
-fails. A dead or hung engine is restarted and its groups run again (molt.engines.restart).
+failure stops the run); streamed ones (nccl), or all with ``evaluate:``, are taken until the broadcast ends, after
+``out``. ``evaluate:`` evaluates the policy on this engine, alongside its own requests (molt.evaluation.Evaluator; rows
+on ``eval``). Checkpoint: admission counters and the engine's version, which a resumed rollout waits for. A rollout
+whose env or agent raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none
+left is lost (``groups_lost``) and the next takes its place; if none succeeds (checked after a step's worth of lost
+groups, and at the end) the stage fails. A dead or hung engine is restarted and its groups rerun (molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from typing import Any
 import pyarrow as pa
 from pydantic import Field
 
-from molt.agents import ChatServer, ChatTemplate, Env, Episode, SingleTurn, run_episode, run_group
+from molt.agents import ChatServer, ChatTemplate, Episode, episode_classes, run_episode, run_group
 from molt.agents.admission import GroupAdmission
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.restart import EngineRestarter, RestartConfig
+from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.models import resolve_model
-from molt.config import import_class
 from molt.policy import policy_field
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
@@ -58,6 +59,7 @@ class Rollout(Service):
         weights_input: bool = Field(False, description="listen for new weights on 'weights'")
         drops_input: bool = Field(False, description="listen on 'drops' for groups a filter downstream dropped")
         engine_restarts: RestartConfig = Field(default_factory=RestartConfig, description="molt.engines.restart")
+        evaluate: EvaluationConfig | None = Field(None, description="evaluations on this engine (module docstring)")
 
     config: Config
 
@@ -66,19 +68,15 @@ class Rollout(Service):
         assert isinstance(config, cls.Config)
         inputs = {"in": Port(reads=("prompt_id", "metadata")), **({"weights": Port()} if config.weights_input else {}),
                   **({"drops": Port(reads=tuple(DROP_NOTICE_SCHEMA))} if config.drops_input else {})}
-        if config.env and config.agent:
-            raise ValueError("stages.rollout.config: set env or agent, not both; got both")
-        for key in (k for k in ("env", "agent") if getattr(config, k)):  # a typo fails at load
-            import_class(getattr(config, key), f"stages.rollout.config.{key}")
+        episode_classes(config.env, config.agent, "stages.rollout.config")  # a typo fails at load
         writes = WRITES + (("score",) if config.env or config.agent else ()) + (
             ("routed_experts",) if config.engine.record_routing else ())
-        return inputs, {"out": Port(writes=writes)}
+        return inputs, {"out": Port(writes=writes), **({"eval": Port(schema=EVAL_SCHEMA)} if config.evaluate else {})}
 
     def setup(self) -> None:
         c = self.config
         where, replica = f"stages.{self.ctx.stage_id}.config", self.ctx.replica
-        self.env_cls: type[Env] = import_class(c.env, f"{where}.env") if c.env else SingleTurn
-        self.agent_cls = import_class(c.agent, f"{where}.agent") if c.agent else None
+        self.env_cls, self.agent_cls = episode_classes(c.env, c.agent, where)
         self.model_dir = resolve_model(c.model)
         self.chat = ChatTemplate.for_model(self.model_dir)
         self.restarter = EngineRestarter(c.engine_restarts, lambda: make_engine(
@@ -93,6 +91,7 @@ class Rollout(Service):
         self.admission: GroupAdmission[pa.RecordBatch] = GroupAdmission(c.groups_per_step, c.max_staleness)
         self.resume_version, self.first_failure = 0, ""  # version to wait for; the first rollout error
         self.first_admit_s: float | None = None  # when the first group started (generation throughput)
+        self.evaluator = Evaluator(self, c.evaluate, f"{where}.evaluate", "eval", "eval", self.restarter.retrying)
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
 
@@ -130,10 +129,11 @@ class Rollout(Service):
             done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             await self._send_done([t.result() for t in done])
         self._check_failures(end=True)
-        if self.config.weights_input and self.engine.streams_weights:
-            await self.end("out")  # 4) streamed refits wait for every engine: take them until the trainer ends
-            while (item := await self.recv("weights")) is not None:
+        if self.config.weights_input and (self.engine.streams_weights or self.evaluator.tasks):
+            await self.end("out")  # 4) take refits until the trainer ends: streamed ones wait for every engine,
+            while (item := await self.recv("weights")) is not None:  # and the last version is evaluated
                 await self._refit_if_new_weights(item)
+        await self.evaluator.finish()
 
     def _check_failures(self, end: bool = False) -> None:
         """Fail when no rollout succeeded (after a step's worth of lost groups, or at the end); log throughput."""
@@ -142,9 +142,8 @@ class Rollout(Service):
             raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}, {lost} groups lost), e.g. "
                                f"{self.first_failure}; see the warnings above")
         if end and self.first_admit_s is not None:
-            seconds = time.monotonic() - self.first_admit_s
-            self.metrics.log({"generate_seconds": seconds,
-                              "generated_tokens_per_s": counts.get("tokens_generated", 0.0) / max(seconds, 1e-9)})
+            wall = max(time.monotonic() - self.first_admit_s, 1e-9)
+            self.metrics.log({"generate_seconds": wall, "generated_tokens_per_s": counts["tokens_generated"] / wall})
 
     def _admissible(self) -> bool:
         return (version := self.engine.policy_version) >= self.resume_version and self.admission.admissible(version)
@@ -192,9 +191,10 @@ class Rollout(Service):
                                  self.config.max_turns, self.config.engine.max_model_len)
 
     async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
-        if (seconds := await self.restarter.refit(item)) is not None:  # molt.engines.weights, verified
+        seconds = await self.evaluator.refit(lambda: self.restarter.refit(item), wait=item is not None)
+        if seconds is not None:  # verified (molt.engines.weights), not during an evaluation (molt.evaluation)
             self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:
-        for part in filter(None, (getattr(self, name, None) for name in ("restarter", "server", "engine"))):
+        for part in filter(None, (getattr(self, n, None) for n in ("evaluator", "restarter", "server", "engine"))):
             part.close()

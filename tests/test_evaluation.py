@@ -1,5 +1,6 @@
 """molt.evaluation and `molt eval`: pass@k, avg@k, maj@k and their standard errors; tasks; runs at a version."""
 
+import asyncio
 import json
 import math
 
@@ -7,8 +8,11 @@ import pytest
 
 from molt.checkpoint import checkpoint_at_version
 from molt.cli import main
-from molt.evaluation import majority_score, parse_task, pass_at_k, sampled_metrics, summarise
-from molt.graders import Grade
+from molt.eval_command import parse_task
+from molt.agents import ChatTemplate
+from molt.evaluation import evaluate, load_problems, majority_score, pass_at_k, sampled_metrics, summarise
+from molt.graders import Grade, MathGrader
+from molt.tasks import ArithmeticTask
 from molt.metrics import logged_steps
 from molt.pipeline import Pipeline
 from molt.recording import read_batches
@@ -118,6 +122,60 @@ def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats
         again = [rec["step"] for rec in lines if key in rec["values"]][len(first):]
         assert again and min(again) > 2 and max(again) == 4 and len(again) == len(set(again)), (key, again)
     assert sum("evaluate/arith/accuracy_baseline" in rec["values"] for rec in lines) == 1
+
+
+def test_an_evaluation_on_the_rollouts_engine_is_of_one_version_in_no_trajectory_and_resumes(
+        tiny_chat_model, tmp_path, no_orphans):
+    """``evaluate:`` in the rollout: no second engine; each evaluation is of one version (refits wait for it;
+    `grade_samples` fails the run otherwise); its requests are in no trajectory; the last version is evaluated
+    after the trainer ends; a resume repeats none."""
+    spec = resumable_rl(tiny_chat_model)
+    task = {"type": "arithmetic", "split": "eval", "num_problems": 8}
+    spec["stages"]["rollout"]["config"]["evaluate"] = {"every_versions": 2, "tasks": {
+        "arith": {"task": task, "max_new_tokens": 4},
+        "sampled": {"task": {**task, "num_problems": 4}, "max_new_tokens": 4, "samples": 2, "temperature": 1.0,
+                    "every_versions": 4}}}
+    spec["stages"]["eval_sink"] = {"class": "stages.metrics_sink.MetricsSink"}
+    spec["edges"] = [{**e, "from": "rollout.out"} if e["from"] == "rollout" else e for e in spec["edges"]] + [
+        {"from": "rollout.eval", "to": "eval_sink", "record": True}]  # two outputs: each edge names its own
+    code, summary = run_spec(spec, tmp_path / "run")
+    assert code == 0, summary.get("error")
+    assert not any(p.name.startswith("evaluate") for p in (tmp_path / "run" / "metrics").iterdir())
+    evaluated = logged_steps(tmp_path / "run" / "metrics" / "rollout.0.jsonl")
+    arith, sampled = evaluated["rollout/eval/arith/accuracy"], evaluated["rollout/eval/sampled/pass@2"]
+    assert arith == {0, 2, 4} and sampled == {0, 4}, "every 2 (4) versions, the last one (4) after the trainer ended"
+    rows = [r for b in read_batches(tmp_path / "run" / "record" / "rollout.eval--eval_sink.in") for r in b.to_pylist()]
+    assert sorted((r["task"], r["policy_version"]) for r in rows) == sorted(
+        [("arith", v) for v in arith] + [("sampled", v) for v in sampled])
+    trajectories = [r for b in read_batches(tmp_path / "run" / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
+    assert len(trajectories) == 8 * 2 and all(r["prompt_id"].startswith("arithmetic") for r in trajectories), \
+        "the training prompts' groups, and no evaluation request"
+    # resumed from version 2 (barrier_5): versions up to 2 are not evaluated again, later ones are (new weights)
+    drop_checkpoints_after(tmp_path / "run", 5)
+    code = Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False, resume=True).run()
+    assert code == 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "rollout.0.jsonl").read_text().splitlines()]
+    again = [rec["step"] for rec in lines if "rollout/eval/arith/accuracy" in rec["values"]][len(arith):]
+    assert again == [4], again
+
+
+def test_an_evaluation_refuses_completions_of_another_version(tiny_chat_model):
+    """The weights changed during an evaluation (a refit that did not wait for it): the evaluation fails."""
+    from molt.engines.hf import TransformersEngine
+
+    class Refitted(TransformersEngine):
+        async def generate(self, *args, **kwargs):
+            out = await super().generate(*args, **kwargs)
+            self._version = 1  # new weights after the first completion
+            return out
+
+    engine = Refitted(str(tiny_chat_model))
+    problems = load_problems(ArithmeticTask(split="eval", num_problems=3), "task")
+    with pytest.raises(RuntimeError, match=r"eval-greedy: a completion holds tokens of version \[1\] in an "
+                                           r"evaluation of version 0; the weights changed during it"):
+        asyncio.run(evaluate(engine, ChatTemplate.for_model(tiny_chat_model), problems, MathGrader(),
+                             max_new_tokens=4, max_model_len=256))
+    engine.close()
 
 
 def test_an_evaluation_takes_one_task_or_several_and_samples_need_a_temperature():

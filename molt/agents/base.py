@@ -74,3 +74,18 @@ class SingleTurn(Env):
 
     def step(self, action: str) -> Result:
         return Result(terminated=True)
+
+
+def episode_classes(env: str | None, agent: str | None, where: str) -> tuple[type[Env], type | None]:
+    """A rollout's ``env`` class (default `SingleTurn`) and ``agent`` class (or None), from their import paths,
+    so that a typo fails at load.
+
+    Raises:
+        ValueError: both are set, or one cannot be imported (molt.config.import_class), naming ``where``.
+    """
+    from molt.config import import_class
+
+    if env and agent:
+        raise ValueError(f"{where}: set env or agent, not both; got both")
+    return (import_class(env, f"{where}.env") if env else SingleTurn), (import_class(agent, f"{where}.agent")
+                                                                         if agent else None)

@@ -153,6 +153,17 @@ TaskConfig = Annotated[Union[ArithmeticTask, ShapesTask, GSM8KTask, JSONLTask, P
                        Field(discriminator="type")]
 
 
+def preflight_tasks(config: Any, where: str) -> None:
+    """`preflight_task` of every task ``config`` (a stage's config) holds, in its fields and mappings at any
+    depth, each named by its key under ``where``: ``stages.evaluate.config.tasks.gsm8k.task``."""
+    if isinstance(config, _TaskConfig):
+        preflight_task(config, where)
+    elif isinstance(config, BaseModel | dict):
+        items = config.items() if isinstance(config, dict) else ((k, getattr(config, k)) for k in type(config).model_fields)
+        for key, value in items:
+            preflight_tasks(value, f"{where}.{key}")
+
+
 def preflight_task(config: Any, where: str) -> None:
     """Load a stage's task (``config``, a `TaskConfig`) once, before the run starts (`Stage.preflight`):
     a missing, empty or malformed dataset, or one repeating a prompt_id, is refused before any engine starts.
