@@ -8,8 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from molt.pipeline import Pipeline
 from molt.tasks import (ArithmeticProblems, ArithmeticTask, JSONLTask, ParquetTask, PromptNode, RecordSet,
                         TaskConfig, final_answer, prompt_batches, read_gsm8k)
 from molt.tasks.arithmetic import canonical
@@ -229,3 +231,9 @@ def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anythi
     evaluation = f"stages.evaluate.config.task={{type: jsonl, path: {path}}}"  # the held-out set too
     assert main(["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set", evaluation]) == 2
     assert "stages.evaluate.config.task: " in capsys.readouterr().err and not (tmp_path / "run").exists()
+    spec = yaml.safe_load(Path("pipelines/quickstart.yaml").read_text())  # any stage's tasks: a rollout's evaluate:
+    spec["stages"]["rollout"]["config"]["evaluate"] = {"tasks": {"qa": {"task": {"type": "jsonl", "path": str(path)}}}}
+    spec["edges"] = [{**e, "from": "rollout.out"} if e["from"] == "rollout" else e for e in spec["edges"]] + [
+        {"from": "rollout.eval", "to": "eval_sink"}]
+    with pytest.raises(ValueError, match=r"stages.rollout.config.evaluate.tasks.qa.task: .*same prompt_id 'q1'"):
+        Pipeline.from_spec(spec).preflight()
