@@ -107,8 +107,10 @@ def validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> A
 
 def _known_keys(model: Any, loc: tuple) -> list[str]:
     """Field names (YAML spelling) of the model reached by walking ``loc``."""
-    for part in loc:
+    for part in (*loc, None):  # None: unwrap the last one (an Optional model)
         if isinstance(model, type) and issubclass(model, BaseModel):
+            if part is None:
+                break
             f = model.model_fields.get(str(part)) or next(
                 (v for v in model.model_fields.values() if v.alias == part), None)
             model = f.annotation if f else None

@@ -58,8 +58,8 @@ def parse_task(option: str) -> tuple[dict[str, EvalTask], Pipeline | None]:
     if option.endswith((".yaml", ".yml")):
         pipe = Pipeline.from_yaml(option)
         if not (found := pipeline_tasks(pipe)):
-            raise ValueError(f"--task {option}: the pipeline has no evaluation stage (stages.evaluate.Evaluate); "
-                             "hint: name a task, e.g. --task arithmetic")
+            raise ValueError(f"--task {option}: the pipeline has no evaluation (no evaluation stage, no rollout "
+                             "with evaluate:); hint: name a task, e.g. --task arithmetic")
         return found, pipe
     try:
         data = yaml.safe_load(option)
@@ -172,7 +172,7 @@ def eval_report(target: str, version: int | None = None, task_options: Sequence[
             raise ValueError(f"--task {option}: a task is named {sorted(twice)} already; hint: give one a name: key")
         tasks |= found
     if not parsed and run is not None and not (tasks := pipeline_tasks(run)):
-        raise ValueError(f"{Path(target, 'pipeline.yaml')}: the run has no evaluation stage; hint: name a task, e.g. "
+        raise ValueError(f"{Path(target, 'pipeline.yaml')}: the run has no evaluation; hint: name a task, e.g. "
                          "--task arithmetic")
     if not tasks:
         raise ValueError(f"molt eval {target}: no task; hint: --task arithmetic, --task gsm8k, "

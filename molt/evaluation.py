@@ -96,16 +96,15 @@ def sampled_metrics(grades: Sequence[Sequence[Grade]]) -> dict[str, list[float]]
 
 
 async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any,
-                        params: SamplingParams, samples: int, max_model_len: int, tag: str) -> list[list[Grade]]:
+                        params: SamplingParams, samples: int, max_model_len: int, tag: str,
+                        version: int) -> list[list[Grade]]:
     """``samples`` single-turn completions of every problem, all in flight at once, each graded
     (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``. Returns [problem][sample].
 
     Raises:
-        RuntimeError: a completion holds tokens of a policy version other than the engine's at the start
-            (its weights changed during the evaluation).
+        RuntimeError: a completion holds tokens of a policy version other than ``version`` (the weights
+            changed during the evaluation).
     """
-    version = engine.policy_version
-
     async def one(index: int, problem: dict[str, Any], sample: int) -> Grade:
         episode = await run_episode(engine, chat, SingleTurn(), problem, params, f"{tag}-{index}.{sample}", 1,
                                     max_model_len)
@@ -121,25 +120,28 @@ async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[d
 
 async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any, *,
                    max_new_tokens: int, max_model_len: int, samples: int = 1, temperature: float = 0.0,
-                   tag: str = "eval") -> dict[str, float]:
+                   tag: str = "eval", version: int | None = None) -> dict[str, float]:
     """Greedy ``accuracy`` of the engine's current weights on ``problems`` and, with ``samples`` > 1,
-    pass@k, avg@n and maj@n at ``temperature``; each with ``KEY_stderr`` (the module docstring).
+    pass@k, avg@n and maj@n at ``temperature``; each with ``KEY_stderr`` (the module docstring). Every
+    token evaluated must be of ``version`` (default: the engine's at the start; `grade_samples`).
 
     Raises:
         ValueError: no problems, or ``samples`` > 1 at temperature 0 (n copies of the greedy answer).
+        RuntimeError: from `grade_samples`.
     """
+    version = engine.policy_version if version is None else version
     if not problems:
         raise ValueError("an evaluation needs at least one problem")
     if samples > 1 and temperature <= 0:
         raise ValueError(f"{samples} samples at temperature {temperature} are one greedy answer {samples} times; "
                          "hint: sample at a temperature > 0, e.g. 0.8")
     greedy = await grade_samples(engine, chat, problems, grader, SamplingParams(temperature=0.0,
-                                 max_new_tokens=max_new_tokens), 1, max_model_len, f"{tag}-greedy")
+                                 max_new_tokens=max_new_tokens), 1, max_model_len, f"{tag}-greedy", version)
     values = summarise({"accuracy": [g[0].score for g in greedy]})
     if samples > 1:
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         values |= summarise(sampled_metrics(await grade_samples(engine, chat, problems, grader, params, samples,
-                                                                max_model_len, f"{tag}-t{temperature:g}")))
+                                                                max_model_len, f"{tag}-t{temperature:g}", version)))
     return values
 
 
@@ -239,27 +241,34 @@ def task_key(prefix: str) -> str:
 class Evaluator:
     """The evaluations of one stage, of its ``engine`` (read at each use: a restarted one is taken) with its
     ``chat`` template: stages.evaluate's on its own engine, or a rollout's ``evaluate:`` on the rollout's.
-    Holds each task's problems and the versions it was evaluated at (a resumed run's too: `evaluated_before`).
-    ``base`` prefixes the metric keys (``eval``: ``rollout/eval/accuracy``, ``rollout/eval/gsm8k/pass@8``),
-    ``port`` is the stage's output for one EVAL_SCHEMA row per task and evaluation.
+    Holds each task's problems and the versions it was evaluated at (a resumed run's: `evaluated_before`, or
+    the stage's checkpoint, `load_state_dict`). ``base`` prefixes the metric keys (``eval``:
+    ``rollout/eval/accuracy``, ``rollout/eval/gsm8k/pass@8``), ``port`` is the stage's output for one
+    EVAL_SCHEMA row per task and evaluation. Replica 0 evaluates (the others' would repeat it); with
+    ``config`` None, or on another replica, it has no task and does nothing.
 
-    On a rollout's engine, an evaluation runs in the background (`start`), its requests batched with the
-    rollout's, at their own sampling settings and never in a trajectory, and again whole on a restarted
-    engine (``retrying``: molt.engines.restart); the rollout's refits wait for it (`refit`), so that it is
-    of one version (checked: `grade_samples`), and at the end (`finish`) the last version is evaluated on
-    every task, as stages.evaluate does. With ``config`` None it has no task and does nothing.
+    On a rollout's engine, an evaluation runs in the background (`start`), its requests in the engine's queue
+    beside the rollout's (vLLM serves them first come, first served) at their own sampling settings, and never
+    in a trajectory; the tasks not yet done run again on a restarted engine (``retrying``: molt.engines.restart;
+    counted: ``evaluations_retried``). The rollout's refits wait for it (`refit`), so that it is of one version
+    (every token checked: `grade_samples`); hence an engine that takes streamed refits, which the trainer's send
+    waits for, is refused. At the end (`finish`) the last version is evaluated on every task.
     """
 
     def __init__(self, stage: Any, config: EvaluationConfig | None, where: str, port: str, base: str = "",
-                 retrying: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None) -> None:
+                 retrying: Callable[[Callable[[], Awaitable[None]], str], Awaitable[None]] | None = None) -> None:
         self.stage, self.port, self.base, self.retrying = stage, port, base, retrying
-        self.tasks = config.evaluations() if config is not None else {}
+        self.tasks = config.evaluations() if config is not None and stage.ctx.replica == 0 else {}
+        if self.tasks and (transport := stage.config.engine.transport.type) != "shm":
+            raise ValueError(f"{where}: an evaluation holds the engine's refits, and engine.transport {transport} "
+                             "refits are streamed: the trainer's send would wait for it; hint: an evaluation stage "
+                             "fed by files (pipelines/gsm8k_gpu.yaml)")
         self.prefix = {name: "/".join(filter(None, (base, name))) for name in self.tasks}
         self.problems = {name: load_problems(t.task, f"{where}.{task_key(name)}") for name, t in self.tasks.items()}
         before = evaluated_before(stage.ctx.run_dir, f"{stage.ctx.stage_id}.{stage.ctx.replica}",
-                                  list(self.prefix.values()))
+                                  list(self.prefix.values())) if self.tasks else {}
         self.evaluated = {name: before[self.prefix[name]] for name in self.tasks}
-        self.task: asyncio.Task[None] | None = None  # the evaluation `start` started
+        self.task: asyncio.Future[None] | None = None  # the evaluation `start` started
         if self.tasks:
             stage.log.info("%s", "; ".join(f"{self.prefix[name] or 'evaluation'}: {len(self.problems[name])} problems, "
                                            f"every {t.every_versions} versions" for name, t in self.tasks.items()))
@@ -279,8 +288,8 @@ class Evaluator:
         `not_yet` evaluated at it), if any; the evaluation before must have ended."""
         assert self.task is None or self.task.done(), "one evaluation at a time"
         if names := (self.not_yet if final else self.due)(self.stage.engine.policy_version):
-            run = self.retrying or (lambda attempt: attempt())
-            self.task = asyncio.create_task(run(lambda: self.run(names)), name="evaluation")  # type: ignore[arg-type]
+            run = self.retrying or (lambda attempt, _: attempt())
+            self.task = asyncio.ensure_future(run(lambda: self.run(names), "evaluations_retried"))
 
     async def refit(self, refit: Callable[[], Awaitable[float | None]], wait: bool) -> float | None:
         """``await refit()`` (a refit of the engine: the seconds it took, or None) once no evaluation runs, then
@@ -303,25 +312,35 @@ class Evaluator:
         if self.task is not None:
             await self.task  # raises what it raised
 
+    def state_dict(self) -> dict[str, Any]:
+        """For the stage's checkpoint: the versions evaluated, each task's row sent (so a resume cut back
+        to the checkpoint evaluates again those whose rows it discards)."""
+        return {"evaluated": {name: sorted(v) for name, v in self.evaluated.items()}} if self.tasks else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The versions of `state_dict`, in place of those the metrics hold (`evaluated_before`)."""
+        for name, versions in state.get("evaluated", {}).items():
+            if name in self.evaluated:
+                self.evaluated[name] = set(versions)
+
     def close(self) -> None:
         """Cancel an evaluation still running (a failed stage's)."""
         if self.task is not None:
             self.task.cancel()
 
     async def run(self, names: list[str]) -> None:
-        """Evaluate the engine's current weights on each of ``names``: logs its metrics at step = version and
-        sends its row. Raises what `evaluate` raises."""
+        """Evaluate the engine's current weights on each of ``names`` not yet evaluated at its version: logs
+        its metrics at step = version and sends its row. Raises what `evaluate` raises."""
         engine, version = self.stage.engine, self.stage.engine.policy_version
-        for name in names:
+        for name in self.not_yet(version, names):
             t, prefix, start = self.tasks[name], self.prefix[name], time.monotonic()
             values: dict[str, Any] = await evaluate(
                 engine, self.stage.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
                 max_model_len=self.stage.config.engine.max_model_len, samples=t.samples,
-                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}")
+                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}", version=version)
             values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
             if not self.evaluated[name]:
                 values["accuracy_baseline"] = values["accuracy"]
-            self.evaluated[name].add(version)
             self.stage.metrics.log({metric_key(prefix, k): v for k, v in values.items()} | {
                 metric_key(self.base, "policy_version"): version}, step=version)
             self.stage.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)", version,
@@ -329,3 +348,4 @@ class Evaluator:
                                 values["num_problems"], values["seconds"])
             row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values}, "policy_version": version, "task": name}
             await self.stage.send(self.port, batch_from_rows([row], EVAL_SCHEMA))
+            self.evaluated[name].add(version)  # after the send: a checkpoint taken during it does not hold it

@@ -5,12 +5,12 @@ Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``gr
 versions go from the engine to the record untouched. Groups leave in the order they started, the i-th only once the
 engine is at version >= i // groups_per_step - max_staleness (DESIGN §4, molt.agents.admission; a group dropped
 downstream, told on ``drops``, gives up its place). Each weight record on ``weights`` is loaded and verified (a
-failure stops the run); streamed ones (nccl), or all with ``evaluate:``, are taken until the broadcast ends, after
-``out``. ``evaluate:`` evaluates the policy on this engine, alongside its own requests (molt.evaluation.Evaluator; rows
-on ``eval``). Checkpoint: admission counters and the engine's version, which a resumed rollout waits for. A rollout
-whose env or agent raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none
-left is lost (``groups_lost``) and the next takes its place; if none succeeds (checked after a step's worth of lost
-groups, and at the end) the stage fails. A dead or hung engine is restarted and its groups rerun (molt.engines.restart).
+failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``, as all are with
+``evaluate:``: evaluations on this engine (molt.evaluation.Evaluator; rows on ``eval``). Checkpoint: admission
+counters, versions evaluated and the engine's version, which a resumed rollout waits for. A rollout whose env or agent
+raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost
+(``groups_lost``) and the next takes its place; if none succeeds (checked after a step's worth of lost groups, and at
+the end) the stage fails. A dead or hung engine is restarted and its groups rerun (molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ class Rollout(Service):
             c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica)), self.log,
             self.metrics, self.ctx.inputs.get("weights"))
         self.engine = self.restarter.engine
+        self.evaluator = Evaluator(self, c.evaluate, f"{where}.evaluate", "eval", "eval", self.restarter.retrying)
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)
         self.server = ChatServer(self.engine, self.chat, self.params, c.max_turns, c.engine.max_model_len,
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         self.restarter.holders = [self, *filter(None, [self.server])]  # they take a restarted engine
         self.schema = make_schema(resolve_fields(self.ports(c)[1]["out"].writes, "Rollout"), "trajectory")
         self.admission: GroupAdmission[pa.RecordBatch] = GroupAdmission(c.groups_per_step, c.max_staleness)
-        self.resume_version, self.first_failure = 0, ""  # version to wait for; the first rollout error
+        self.first_failure = ""  # the first rollout error
         self.first_admit_s: float | None = None  # when the first group started (generation throughput)
-        self.evaluator = Evaluator(self, c.evaluate, f"{where}.evaluate", "eval", "eval", self.restarter.retrying)
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
 
@@ -105,7 +105,8 @@ class Rollout(Service):
             await self._refit_if_new_weights()
             await self.admission.take_drop_notices(self.ctx.inputs.get("drops"))
             # 1) admit new groups while there is room and staleness allows
-            while not exhausted and len(pending) < self.config.max_concurrent_groups and self._admissible():
+            while not exhausted and len(pending) < self.config.max_concurrent_groups and \
+                    self.admission.admissible(self.engine.policy_version):  # a resumed one: its version first
                 if not prompts:
                     item = await self._recv_prompts()
                     if item is None:
@@ -145,15 +146,14 @@ class Rollout(Service):
             wall = max(time.monotonic() - self.first_admit_s, 1e-9)
             self.metrics.log({"generate_seconds": wall, "generated_tokens_per_s": counts["tokens_generated"] / wall})
 
-    def _admissible(self) -> bool:
-        return (version := self.engine.policy_version) >= self.resume_version and self.admission.admissible(version)
-
     def state_dict(self) -> dict[str, Any]:
-        return {**self.admission.state_dict(), "policy_version": self.engine.policy_version}
+        return {**self.admission.state_dict(), **self.evaluator.state_dict(),
+                "policy_version": self.engine.policy_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admission.load_state_dict(state)
-        self.resume_version = state["policy_version"] if self.config.weights_input else 0
+        self.evaluator.load_state_dict(state)
+        self.admission.min_version = state["policy_version"] if self.config.weights_input else 0
 
     async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
         """Next prompts ([] if none within 0.2 s), a barrier, or None at end of stream."""

@@ -67,7 +67,7 @@ def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
         parse_task("arithmetics")
     with pytest.raises(ValueError, match=r"task\.arithmetic\.num_probs: unknown key; did you mean 'num_problems'"):
         parse_task("{type: arithmetic, num_probs: 3}")
-    with pytest.raises(ValueError, match="pipelines/smoke.yaml: the pipeline has no evaluation stage"):
+    with pytest.raises(ValueError, match="pipelines/smoke.yaml: the pipeline has no evaluation .no evaluation stage, no rollout with evaluate:."):
         parse_task("pipelines/smoke.yaml")
 
 
@@ -150,13 +150,61 @@ def test_an_evaluation_on_the_rollouts_engine_is_of_one_version_in_no_trajectory
     trajectories = [r for b in read_batches(tmp_path / "run" / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
     assert len(trajectories) == 8 * 2 and all(r["prompt_id"].startswith("arithmetic") for r in trajectories), \
         "the training prompts' groups, and no evaluation request"
-    # resumed from version 2 (barrier_5): versions up to 2 are not evaluated again, later ones are (new weights)
-    drop_checkpoints_after(tmp_path / "run", 5)
+    # resumed at version 2 (barrier_4): the evaluations whose rows the checkpoint holds are not repeated; those
+    # whose rows went out after it, which the resume cuts from the recording, are, and later versions too
+    drop_checkpoints_after(tmp_path / "run", 4)
+    state = json.loads((tmp_path / "run" / "checkpoints" / "barrier_4" / "rollout.0.json").read_text())["state"]
     code = Runner(Pipeline.from_spec(spec), tmp_path / "run", live=False, resume=True).run()
     assert code == 0
+    rows = [(r["task"], r["policy_version"]) for b in read_batches(tmp_path / "run" / "record" / "rollout.eval--eval_sink.in")
+            for r in b.to_pylist()]
+    assert sorted(rows) == sorted(set(rows)) and {("arith", v) for v in (0, 2, 4)} | {("sampled", 0), ("sampled", 4)} \
+        <= set(rows), rows
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "rollout.0.jsonl").read_text().splitlines()]
     again = [rec["step"] for rec in lines if "rollout/eval/arith/accuracy" in rec["values"]][len(arith):]
-    assert again == [4], again
+    assert again == [v for v in (0, 2, 4) if v not in state["evaluated"]["arith"]], (again, state)
+
+
+def test_a_refit_waits_for_the_evaluation_on_its_engine_and_a_streamed_one_is_refused():
+    """`Evaluator.refit`: while an evaluation runs a refit is put off (None at once), or, told to wait, held
+    until it ends; an evaluation that failed fails the refit. Streamed refits cannot wait: refused."""
+    from types import SimpleNamespace
+
+    from molt.evaluation import EvaluationConfig, Evaluator
+    from molt.stage import StageContext
+
+    stage = SimpleNamespace(ctx=StageContext("rollout"), engine=SimpleNamespace(policy_version=3))
+
+    async def scenario():
+        evaluator, held, refits = Evaluator(stage, None, "stages.rollout.config.evaluate", "eval"), asyncio.Event(), []
+
+        async def refit():
+            refits.append(stage.engine.policy_version)
+            return 1.5
+
+        evaluator.task = asyncio.ensure_future(held.wait())
+        assert await evaluator.refit(refit, wait=False) is None and refits == []
+        waiting = asyncio.ensure_future(evaluator.refit(refit, wait=True))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and refits == []
+        held.set()
+        assert await waiting == 1.5 and refits == [3]
+        async def failing():
+            raise RuntimeError("evaluation of version 3 failed")
+
+        evaluator.task = asyncio.ensure_future(failing())
+        with pytest.raises(RuntimeError, match="evaluation of version 3 failed"):
+            await evaluator.refit(refit, wait=True)
+        assert refits == [3]
+
+    asyncio.run(scenario())
+    stage.config = SimpleNamespace(engine=SimpleNamespace(transport=SimpleNamespace(type="nccl")))
+    config = EvaluationConfig.model_validate({"task": {"type": "arithmetic", "split": "eval", "num_problems": 4}})
+    with pytest.raises(ValueError, match=r"stages.rollout.config.evaluate: an evaluation holds the engine's refits, "
+                                         r"and engine.transport nccl refits are streamed"):
+        Evaluator(stage, config, "stages.rollout.config.evaluate", "eval")
+    stage.ctx = StageContext("rollout", replica=1)
+    assert Evaluator(stage, config, "stages.rollout.config.evaluate", "eval").tasks == {}, "replica 0 evaluates"
 
 
 def test_an_evaluation_refuses_completions_of_another_version(tiny_chat_model):

@@ -40,11 +40,12 @@ class GroupAdmission(Generic[Group]):
         self.num_admitted = self.num_released = self.num_lost = 0  # released counts lost ones too
         self.dropped: dict[int, int] = {}  # filter replica -> this rollout's groups it dropped (`set_dropped`)
         self.finished: dict[int, Group | None] = {}  # by admission index, until released in order
+        self.min_version = 0  # a resumed rollout's: no group starts before its engine is back at this version
 
     def admissible(self, version: int) -> bool:
-        """Whether a group may start at engine ``version``."""
-        if self.max_staleness is None:
-            return True
+        """Whether a group may start at engine ``version`` (never below ``min_version``)."""
+        if version < self.min_version or self.max_staleness is None:
+            return version >= self.min_version
         position = self.num_admitted - self.num_lost - self.num_dropped
         return version >= position // self.groups_per_step - self.max_staleness
 

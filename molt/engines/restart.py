@@ -103,9 +103,9 @@ class EngineRestarter:
         self.weights = done[1]  # a newer one if the file of the first was gone (refit_from)
         return done[0]
 
-    async def retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def retrying(self, attempt: Callable[[], Awaitable[T]], counter: str = "groups_retried") -> T:
         """``await attempt()``, again on a restarted engine each time it fails with `EngineDeadError`
-        (counted: ``groups_retried``, ``engine_restarts``).
+        (counted: ``counter``, ``engine_restarts``).
 
         Raises:
             RuntimeError: from `restart`.
@@ -117,7 +117,7 @@ class EngineRestarter:
                 return await attempt()
             except EngineDeadError as error:
                 await self.restart(generation, error)
-                self.metrics.count("groups_retried")
+                self.metrics.count(counter)
 
     async def restart(self, generation: int, error: EngineDeadError) -> Engine:
         """The engine to retry on: a new one at the newest weights (`refit` of the remembered record);
