@@ -44,8 +44,10 @@ class GroupAdmission(Generic[Group]):
 
     def admissible(self, version: int) -> bool:
         """Whether a group may start at engine ``version`` (never below ``min_version``)."""
-        if version < self.min_version or self.max_staleness is None:
-            return version >= self.min_version
+        if version < self.min_version:
+            return False
+        if self.max_staleness is None:
+            return True
         position = self.num_admitted - self.num_lost - self.num_dropped
         return version >= position // self.groups_per_step - self.max_staleness
 
