@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from molt.ports import InputPort, OutputPort
-from molt.transport import EdgeSpec
+from molt.edges import EdgeSpec
 
 MiB = 1 << 20
 SCHEMA = pa.schema([("x", pa.int64())])

@@ -8,7 +8,7 @@ the server key pair; consumers' DEALER sockets are CURVE clients holding the cli
 pair and the server's public key, so a consumer talks only to a producer that holds the
 server secret, and a producer's ZAP handler (`start_authenticator`) admits only the
 run's client key: a peer without the keys gets no handshake, so it can neither read a
-batch nor inject one (tests/test_transport.py). Sockets refuse connections when no
+batch nor inject one (tests/test_edges.py). Sockets refuse connections when no
 ZAP handler runs (``zap_enforce_domain``), so a misconfigured process fails closed.
 
 Keys are Z85 text (40 characters), e.g. ``{"server_public": "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7",

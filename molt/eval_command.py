@@ -83,7 +83,7 @@ def resolve_target(target: str, version: int | None) -> tuple[Path, int | None, 
     """(model folder, policy version, the run's pipeline) of ``molt eval TARGET``.
 
     A run directory (it holds ``pipeline.yaml``) gives the trainer's weights of its complete checkpoint
-    at ``version`` (default: the newest), a Hugging Face folder (molt.train.checkpoint); anything else
+    at ``version`` (default: the newest), a Hugging Face folder (molt.train.state); anything else
     is a model folder or built-in name (molt.models.resolve_model), at version None.
 
     Raises:

@@ -35,7 +35,7 @@ from molt.checkpoint import checkpoint_dir, read_replica_state, write_json_atomi
 from molt.metrics import MetricsWriter, get_logger
 from molt.ports import InputPort, OutputPort
 from molt.seeds import derive_seed
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 
 SCRATCH_ENV = "MOLT_SCRATCH"  # the run's scratch folder, set by the runner for its workers

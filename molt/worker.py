@@ -41,7 +41,7 @@ from molt.pipeline import Pipeline, StageNode
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
 from molt.ports import InputPort, OutputPort
-from molt.transport import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
+from molt.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:

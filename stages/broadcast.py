@@ -49,7 +49,7 @@ from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig, run_owned, scratch_folder
 from molt.train.handoff import policy_handle
 from molt.train.model import full_state_dict
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 if TYPE_CHECKING:
     from molt.engines.nccl_transfer import NCCLSender

@@ -34,7 +34,7 @@ from torchdata.nodes import Batcher
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Source, StageConfig, StageContext
 from molt.tasks import PromptNode, Record, Task, TaskConfig, prompt_batches
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 WRITES = ("prompt_id", "metadata")
 

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from molt.algorithms.advantage_configs import AdvantageConfig, AdvantageInputs, GRPOConfig
-from molt.algorithms.metrics import group_metrics
+from molt.algorithms.policy_metrics import group_metrics
 from molt.columns import padded, row_lengths, unpadded
 from molt.schema import COLUMNS
 from molt.stage import Port, StageConfig, Transform

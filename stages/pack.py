@@ -45,7 +45,7 @@ from molt.columns import row_lengths
 from molt.multimodal import row_images
 from molt.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 STEP_FIELDS = (
     pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step this row trains in"}),

@@ -34,7 +34,7 @@ from molt.policy import policy_field
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
 from molt.tasks import read_prompts
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
           "policy_version", "group_size", "finish_reason", "metadata", "images", "image_token_positions")

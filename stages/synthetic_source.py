@@ -21,7 +21,7 @@ from pydantic import Field
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Source, StageConfig
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
           "rollout_logprobs", "policy_version", "group_size", "score", "finish_reason", "metadata")

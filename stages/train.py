@@ -10,12 +10,12 @@ checked against ``max_staleness``; a violation stops the run naming the sample.
 
 After each step it logs one line (``step 12  loss 0.41  reward 0.62 ... entropy 0.41 ... mem
 3.1GB``; a warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop
-the run), writes policy metrics (molt.algorithms.metrics, merged over micro-batches and ranks;
+the run), writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and ranks;
 the collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a one-row step record
 (STEP_SCHEMA) on ``out`` for the fused broadcast stage, which gets the model through
 molt.train.handoff; each step waits for its acknowledgement, so all ranks' collectives keep in step.
 
-Checkpoint (molt.train.checkpoint): every rank saves the full model (a HF folder), AdamW and RNG
+Checkpoint (molt.train.state): every rank saves the full model (a HF folder), AdamW and RNG
 state at a barrier. A resumed trainer restores them, then sends a resume record (``num_rows`` 0)
 so the fused broadcast re-publishes the restored weights for the engines.
 
@@ -44,14 +44,14 @@ from molt.policy import Precision, policy_field
 from molt.schema import batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
-from molt.train.checkpoint import export_model_folder, load_train_state, save_train_state
+from molt.train.state import export_model_folder, load_train_state, save_train_state
 from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import check_moe_keys, freeze_routers
 from molt.train.optim import OptimConfig, make_optimizer
 from molt.train.step import (SFT_UNREAD, STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_objective,
                              check_staleness, train_step)
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 PACK_READS = (pa.field("step", pa.int32()), pa.field("dp_rank", pa.int32()), pa.field("micro_batch", pa.int32()),
               pa.field("step_loss_tokens", pa.int64()), pa.field("step_loss_seqs", pa.int64()))
@@ -99,7 +99,7 @@ class Train(Service):
         key = f"stages.{self.ctx.stage_id}.config"
         if c.freeze_router:
             freeze_routers(model.lm, f"{key}.freeze_router")
-        check_moe_keys(c, model.router_probe is not None, key)
+        check_moe_keys(c, model.router_hooks is not None, key)
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer(self.model, c.optim, f"{key}.optim")
         self.version = 0  # optimizer steps taken

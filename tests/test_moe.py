@@ -297,7 +297,7 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file, replay):
         if ep == 2:  # a checkpoint of the expert-parallel trainer resumes it exactly
             from pathlib import Path
 
-            from molt.train.checkpoint import load_train_state, save_train_state
+            from molt.train.state import load_train_state, save_train_state
 
             save_train_state(Path(out_dir) / "ckpt", model, optimizer, Path(model_dir))
             resumed = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)

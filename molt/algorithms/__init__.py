@@ -78,7 +78,7 @@ from molt.algorithms.losses import (
     ppo_clip_loss,
 )
 from molt.algorithms.masks import completion_loss_mask
-from molt.algorithms.metrics import group_metrics, merge_token_metrics, policy_step_metrics
+from molt.algorithms.policy_metrics import group_metrics, merge_token_metrics, policy_step_metrics
 from molt.algorithms.token_advantages import (
     distillation_advantages,
     gae_advantages,

@@ -34,7 +34,7 @@ from molt.train.attention import NAME as PACKED_SDPA
 from molt.train.attention import register as register_packed_sdpa
 from molt.train.attention import row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
-from molt.train.moe import RouterProbe, fp32_router_policy, routers
+from molt.train.moe import RouterHooks, fp32_router_policy, routers
 from molt.train.packing import PackedSequence
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
 class PolicyModel(nn.Module):
     """A causal LM whose forward maps a packed sequence to next-token logprobs [S].
 
-    ``router_probe``: a MoE model's molt.train.moe.RouterProbe (expert load, router
+    ``router_hooks``: a MoE model's molt.train.moe.RouterHooks (expert load, router
     logits of the latest forward); None for a dense model. ``vision``: a vision-language
     model's processor (molt.multimodal), None for a text-only model.
     """
@@ -106,7 +106,7 @@ class PolicyModel(nn.Module):
                  vision: VisionProcessor | None = None) -> None:
         super().__init__()
         self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
-        self.router_probe = RouterProbe(lm) if routers(lm) else None
+        self.router_hooks = RouterHooks(lm) if routers(lm) else None
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
         self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward (`forward`)
 

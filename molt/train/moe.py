@@ -12,7 +12,7 @@ training.
 ``freeze_router``: the routers get no gradient and no optimizer state, so their
 weights stay bit-identical across steps while the experts train.
 
-`RouterProbe` watches every router's output during the trainer's forwards: per-layer,
+`RouterHooks` watches every router's output during the trainer's forwards: per-layer,
 per-expert load (how many top-k slots each expert got) for the step's metrics, agreement
 with the engine's routing and routing replay (R3), and the router logits for the optional
 auxiliary load-balancing loss (Switch Transformer,
@@ -78,7 +78,7 @@ def check_moe_keys(config: Any, has_router: bool, where: str) -> None:
                          "hint: router_aux_loss_coef: 0")
 
 
-class RouterProbe:
+class RouterHooks:
     """Forward hooks on the L routers of a MoE model: expert load, router logits, routing replay.
 
     A transformers router returns ``(router_logits [T, E], scores [T, k], indices [T, k])``.
@@ -161,7 +161,7 @@ class RouterProbe:
 
 
 def load_metrics(counts: torch.Tensor, num_experts: int) -> dict[str, float]:
-    """Step metrics of expert load and routing agreement from `RouterProbe.take_counts` (summed over ranks).
+    """Step metrics of expert load and routing agreement from `RouterHooks.take_counts` (summed over ranks).
 
     ``moe/load_max``: the largest load of an expert over the mean load of its layer (1.0 =
     perfectly balanced, E = everything on one expert), max over layers;
@@ -188,7 +188,7 @@ def load_metrics(counts: torch.Tensor, num_experts: int) -> dict[str, float]:
 
 
 def packed_engine_routing(values: list[bytes | None], sample_ids: list[str], lengths: list[int],
-                          token_index: torch.Tensor, num_packed: int, probe: RouterProbe) -> torch.Tensor:
+                          token_index: torch.Tensor, num_packed: int, hooks: RouterHooks) -> torch.Tensor:
     """int64 [S, L, k]: the engine's experts at every packed position of a micro-batch, -1 where none.
 
     ``values``: each row's ``routed_experts`` (int16 bytes of [T, L, k], -1 = not routed; null =
@@ -199,7 +199,7 @@ def packed_engine_routing(values: list[bytes | None], sample_ids: list[str], len
         ValueError: naming column ``routed_experts`` and the sample, when a row's size is not
             T x L x k x 2 bytes for the trained model or holds an expert id >= E.
     """
-    num_layers, top_k = probe.num_layers, probe.top_k
+    num_layers, top_k = hooks.num_layers, hooks.top_k
     out = torch.full((num_packed, num_layers, top_k), -1, dtype=torch.int64)
     offset = 0
     for value, sample_id, n in zip(values, sample_ids, lengths):
@@ -209,9 +209,9 @@ def packed_engine_routing(values: list[bytes | None], sample_ids: list[str], len
                                  f"{n} tokens x {num_layers} MoE layers x top-{top_k} x 2 (int16) = "
                                  f"{n * num_layers * top_k * 2}; hint: the engine must serve the trained model")
             rows = torch.from_numpy(np.frombuffer(value, np.int16).reshape(n, num_layers, top_k).astype(np.int64))
-            if rows.numel() and int(rows.max()) >= probe.num_experts:
+            if rows.numel() and int(rows.max()) >= hooks.num_experts:
                 raise ValueError(f"column 'routed_experts', sample {sample_id!r}: expert id {int(rows.max())} >= "
-                                 f"the model's {probe.num_experts} experts")
+                                 f"the model's {hooks.num_experts} experts")
             index = token_index[offset:offset + n]
             current = out[index]
             out[index] = torch.where(current >= 0, current, rows)

@@ -47,7 +47,7 @@ from molt.columns import padded
 from molt.engines.weights import release_freed_memory
 from molt.multimodal import VisionInputs, packed_vision_inputs, row_images
 from molt.schema import make_schema
-from molt.train.moe import RouterProbe, load_metrics, packed_engine_routing
+from molt.train.moe import RouterHooks, load_metrics, packed_engine_routing
 from molt.train.optim import OptimConfig, set_lr
 from molt.train.packing import PackedSequence, pack_sequences
 
@@ -77,7 +77,7 @@ class ObjectiveConfig(BaseModel):
         0.0, ge=0, description="MoE: weight of the Switch load-balancing loss (molt.train.moe); 0 = off")
     routing_replay: bool = Field(
         False, description="MoE: route every token the engine routed to the experts it chose (R3; column "
-        "routed_experts, molt.train.moe.RouterProbe); router logits are still recomputed")
+        "routed_experts, molt.train.moe.RouterHooks); router logits are still recomputed")
     routing_replay_compare: bool = Field(
         False, description="MoE: one more no-grad forward per micro-batch with replay the other way, to log "
         "moe/logprob_diff_replay and moe/logprob_diff_no_replay (|train - rollout| logprob, nats)")
@@ -85,7 +85,7 @@ class ObjectiveConfig(BaseModel):
 
 @dataclass
 class StepResult:
-    """What one step did, reduced over ranks. ``metrics`` use molt.algorithms.metrics keys."""
+    """What one step did, reduced over ranks. ``metrics`` use molt.algorithms.policy_metrics keys."""
 
     loss: float
     grad_norm: float
@@ -143,12 +143,12 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
     packed = pack_sequences(rows, loss_masks if shares else None, images)
     vision = packed_vision_inputs(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
                                   packed.token_index)  # a VLM: the images in packed order
-    probe = getattr(model, "router_probe", None)
-    if probe is not None and "routed_experts" in mb.schema.names:
-        probe.engine_routing = packed_engine_routing(
+    hooks = getattr(model, "router_hooks", None)
+    if hooks is not None and "routed_experts" in mb.schema.names:
+        hooks.engine_routing = packed_engine_routing(
             mb.column("routed_experts").to_pylist(), mb.column("sample_id").to_pylist(), packed.lengths,
-            packed.token_index, packed.input_ids.shape[1], probe)
-        probe.replay = obj.routing_replay
+            packed.token_index, packed.input_ids.shape[1], hooks)
+        hooks.replay = obj.routing_replay
     mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
     logp = _forward_logp(model, packed, loss_masks, mask, vision)
     dev = logp.device
@@ -166,18 +166,18 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
     entropy = _unpack(model.entropy, packed, mask)  # type: ignore[arg-type]  # PolicyModel: of this forward
     metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl, entropy)
-    if probe is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
-        aux = probe.aux_loss()
+    if hooks is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
+        aux = hooks.aux_loss()
         metrics["moe/aux_loss"] = float(aux.detach())
         if obj.router_aux_loss_coef:
             share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
         if obj.routing_replay_compare:  # the other replay setting, without counting its load
-            other = _compare_forward(model, probe, lambda: _forward_logp(model, packed, loss_masks, mask, vision))
+            other = _compare_forward(model, hooks, lambda: _forward_logp(model, packed, loss_masks, mask, vision))
             gaps = {obj.routing_replay: logp.detach(), not obj.routing_replay: other}
             for replayed, name in ((True, "replay"), (False, "no_replay")):
                 metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
                                                            / mask.sum().clamp_min(1))
-        probe.engine_routing = None
+        hooks.engine_routing = None
     return share, metrics
 
 
@@ -194,13 +194,13 @@ def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
     return torch.zeros(mask.shape, device=dev).masked_scatter(valid, flat)
 
 
-def _compare_forward(model: torch.nn.Module, probe: RouterProbe, forward: Callable[[], Tensor]) -> Tensor:
-    """``forward()`` without gradient with ``probe.replay`` flipped; the probe's counts are left as before."""
-    counts, routing, replay = probe.counts.clone(), probe.routing.clone(), probe.replay
-    probe.replay = not replay
+def _compare_forward(model: torch.nn.Module, hooks: RouterHooks, forward: Callable[[], Tensor]) -> Tensor:
+    """``forward()`` without gradient with ``hooks.replay`` flipped; the hooks' counts are left as before."""
+    counts, routing, replay = hooks.counts.clone(), hooks.routing.clone(), hooks.replay
+    hooks.replay = not replay
     with torch.no_grad():
         out = forward()
-    probe.counts, probe.routing, probe.replay = counts, routing, replay
+    hooks.counts, hooks.routing, hooks.replay = counts, routing, replay
     return out
 
 
@@ -209,18 +209,18 @@ def _dummy_loss(model: torch.nn.Module, obj: ObjectiveConfig) -> Tensor:
     as a real micro-batch): keeps FSDP (and expert-parallel) collectives in step across ranks;
     MoE load counts leave it out."""
     packed = pack_sequences([[0, 0]])
-    probe = getattr(model, "router_probe", None)
-    if probe is not None:
-        probe.active = False
+    hooks = getattr(model, "router_hooks", None)
+    if hooks is not None:
+        hooks.active = False
     try:
         loss = model(packed.input_ids, packed.position_ids).sum() * 0.0
-        if probe is not None and obj.routing_replay_compare:  # after, as in `_micro_loss`: expert-parallel
+        if hooks is not None and obj.routing_replay_compare:  # after, as in `_micro_loss`: expert-parallel
             with torch.no_grad():  # all-to-alls pair with the other ranks' forwards in order
                 model(packed.input_ids, packed.position_ids)
         return loss
     finally:
-        if probe is not None:
-            probe.active = True
+        if hooks is not None:
+            hooks.active = True
 
 
 def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
@@ -342,9 +342,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     lr = set_lr(optimizer, version, optim_cfg)
-    probe = getattr(model, "router_probe", None)
-    if probe is not None:
-        probe.take_counts()  # drop what forwards outside a step counted
+    hooks = getattr(model, "router_hooks", None)
+    if hooks is not None:
+        hooks.take_counts()  # drop what forwards outside a step counted
     local_loss, parts = accumulate(model, batch, obj, rank, world_size)
     loss = torch.tensor([local_loss], dtype=torch.float64)
     if world_size > 1:
@@ -352,12 +352,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     grad_norm = optimizer_step(model, optimizer, optim_cfg.grad_clip)
     moe_keys = ["moe/aux_loss"] + (["moe/logprob_diff_no_replay", "moe/logprob_diff_replay"]
                                    if obj.routing_replay_compare else [])
-    metrics = reduce_metrics(parts, metric_keys(obj) + (moe_keys if probe is not None else []))
-    if probe is not None:
-        counts = probe.take_counts()
+    metrics = reduce_metrics(parts, metric_keys(obj) + (moe_keys if hooks is not None else []))
+    if hooks is not None:
+        counts = hooks.take_counts()
         if world_size > 1:
             dist.all_reduce(counts)
-        metrics.update(load_metrics(counts, probe.num_experts))
+        metrics.update(load_metrics(counts, hooks.num_experts))
     num_tokens = sum(len(t) for t in batch.column("token_ids").to_pylist())
     metrics["rows/inert_frac"] = float(inert_rows(batch, obj).mean()) if batch.num_rows else 0.0  # 1: no gradient
     return StepResult(float(loss), grad_norm, lr, num_tokens, metrics)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import zmq.asyncio
 
 from molt.ports import InputPort, OutputPort
-from molt.transport import EdgeSpec
+from molt.edges import EdgeSpec
 
 SCHEMA = pa.schema([("x", pa.int64())])
 

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig, Transform
-from molt.transport import Barrier
+from molt.edges import Barrier
 
 COUNT_FIELD = pa.field("group_total", pa.int64())
 

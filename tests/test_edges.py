@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from molt.ports import InputPort, OutputPort
-from molt.transport import DATA, Barrier, EdgeSpec, ProtocolError, UpstreamError, encode_batch, keyed_split
+from molt.edges import DATA, Barrier, EdgeSpec, ProtocolError, UpstreamError, encode_batch, keyed_split
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
 
@@ -301,7 +301,7 @@ def test_malformed_frames_raise_protocol_errors_naming_the_edge(zctx, tmp_path, 
 FUZZ = """
 import random, sys
 import pyarrow as pa
-from molt.transport import ProtocolError, decode_batch, encode_batch
+from molt.edges import ProtocolError, decode_batch, encode_batch
 schema = pa.schema([("prompt_id", pa.string()), ("token_ids", pa.list_(pa.int32())), ("x", pa.float32())])
 good = encode_batch(pa.RecordBatch.from_pydict(
     {"prompt_id": ["a", "bb", "ccc"] * 20, "token_ids": [[1, 2], [], [3, 4, 5]] * 20, "x": [0.5] * 60},

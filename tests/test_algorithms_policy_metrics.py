@@ -1,4 +1,4 @@
-"""Per-step metrics with explicit reductions (molt/algorithms/metrics.py)."""
+"""Per-step metrics with explicit reductions (molt/algorithms/policy_metrics.py)."""
 
 import math
 
