@@ -2,7 +2,7 @@
 
 Molt, per version, what the broadcast stage and the rollout do after the FSDP2 gather:
 the atomic safetensors write to /dev/shm on a thread, beside it a digest per tensor
-computed from memory and the trainer's probe forward (molt.engines.probe, FSDP2 at
+computed from memory and the trainer's probe forward (molt.refit, FSDP2 at
 world size 1; ``publish_weights``), then ``apply_weight_record`` on a
 vLLM engine: the in-place reload that digests each tensor as the loader consumes it,
 the digest comparison, the engine's probe logprobs and the probe checks. Every
@@ -59,10 +59,11 @@ def step_like_change(model: torch.nn.Module, version: int) -> None:
 async def alternate(model_dir: Path, folder: Path,
                     repeats: int) -> tuple[list[dict[str, float]], list[tuple[float, float, float]]]:
     """Per repeat, one verified refit and one baseline (alternating, so both see the same load)."""
-    from molt.engines.probe import policy_probe, probe_token_ids
+    from molt.engines.refit import apply_weight_record
     from molt.engines.vllm import VLLMEngine
-    from molt.engines.weights import apply_weight_record, publish_weights
+    from molt.refit import probe_token_ids
     from molt.train import full_state_dict, load_policy, shard_policy
+    from molt.train.publish import policy_probe, publish_weights
 
     model = shard_policy(load_policy(model_dir, temperature=1.0))
     probe_ids = probe_token_ids(model.lm.config.vocab_size)
@@ -102,7 +103,8 @@ def digest_seconds(state: dict[str, torch.Tensor], folder: Path) -> tuple[float,
     """(trainer-side digests from memory, engine-side digests reading the file) in seconds."""
     from safetensors.torch import save_file
 
-    from molt.engines.weights import file_digests, tensor_digest
+    from molt.engines.refit import file_digests
+    from molt.refit import tensor_digest
 
     start = time.perf_counter()
     sent = {name: tensor_digest(t) for name, t in state.items()}

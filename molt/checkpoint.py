@@ -46,17 +46,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def replica_names(stages: dict[str, tuple[int, str | None]]) -> set[str]:
-    """``{stage}.{replica}`` of every process-level replica.
-
-    ``stages`` maps stage id -> (replicas, colocate_with); a fused stage has its
-    host's replicas. Example: {"a": (2, None), "b": (1, "a")} -> {a.0, a.1, b.0, b.1}.
-    """
-    names = set()
-    for sid, (replicas, host) in stages.items():
-        count = stages[host][0] if host else replicas
-        names |= {f"{sid}.{r}" for r in range(count)}
-    return names
+def replica_names(stages: dict[str, int]) -> set[str]:
+    """``{stage}.{replica}`` of every replica of ``stages`` (id -> replicas).
+    Example: {"a": 2, "b": 1} -> {a.0, a.1, b.0}."""
+    return {f"{sid}.{r}" for sid, replicas in stages.items() for r in range(replicas)}
 
 
 def complete_checkpoints(run_dir: Path, names: set[str]) -> list[Path]:

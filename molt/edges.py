@@ -30,7 +30,7 @@ socket closed with unread input (a consumer's last credits) is reset, and the re
 what was still in flight (seen: the last 64 MiB batch and the end of a ``tcp://`` edge lost,
 the consumer waiting forever). The consumer's acknowledgement is the last thing it sends.
 
-The in-process edge for tests and fused stages is the same code over ``inproc://``
+The in-process edge for tests is the same code over ``inproc://``
 endpoints sharing one ``zmq.asyncio.Context``. What a stage sees of its edges (named
 input and output ports, fan-in and fan-out) is in :mod:`molt.ports`.
 """

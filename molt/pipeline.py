@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt.config import apply_override, import_class, load_yaml, validate
 from molt.placement import PlacementSpec, check_placement
@@ -66,11 +66,21 @@ class StageSpec(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict)
     replicas: int = Field(1, ge=1)
     world_size: int = Field(1, ge=1, description=">1: a torchrun group; rank 0 owns the sockets")
-    colocate_with: str | None = None
     cpus: str | int | None = Field(None, description="CPU ids the stage's processes run on, e.g. '0' or '0-1,3': "
                              "affinity, OpenMP threads and vLLM's CPU binding (molt.runner); None = all")
     gpus: str | int | None = Field(None, description="GPU ids shared out among the replicas, e.g. '0-3' for 4 replicas "
                              "of 1 GPU or 2 of a 2-rank group: CUDA_VISIBLE_DEVICES (molt.runner); None = all")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_broadcast_stage(cls, data: Any) -> Any:
+        """A pipeline written for the broadcast stage, fused into the trainer, that the trainer replaced."""
+        if isinstance(data, dict) and (data.get("colocate_with") or data.get("class") == "stages.broadcast.Broadcast"):
+            raise ValueError("the broadcast stage (colocate_with: train) is gone: the train stage publishes its own "
+                             "weights; hint: remove this stage, connect {from: train.weights, to: rollout.weights, "
+                             "kind: broadcast, feedback: true} and move its config to stages.train.config.publish."
+                             "weights (molt.train.publish)")
+        return data
 
 
 def parse_ids(text: str, where: str) -> list[int]:
@@ -140,7 +150,6 @@ class StageNode:
     config: StageConfig
     replicas: int
     world_size: int
-    colocate_with: str | None
     inputs: dict[str, Port]
     outputs: dict[str, Port]
     cpus: list[int] | None = None
@@ -219,20 +228,20 @@ class Pipeline:
         data = self.spec.model_dump(by_alias=True, exclude={"stages"})
         data["stages"] = {sid: {"class": n.class_path, "replicas": n.replicas, "world_size": n.world_size,
                                 "config": n.config.model_dump(mode="json", exclude=filled(n.config)),  # policy: once
-                                "colocate_with": n.colocate_with, **{k: ",".join(map(str, ids)) for k, ids in (
+                                **{k: ",".join(map(str, ids)) for k, ids in (
                                     ("cpus", n.cpus), ("gpus", n.gpus)) if ids is not None}}
                           for sid, n in self.stages.items()}
         return data
 
-    def checkpointed(self) -> dict[str, tuple[int, str | None]]:
+    def checkpointed(self) -> dict[str, int]:
         """Stages a checkpoint barrier reaches, as molt.checkpoint.replica_names takes them
-        (id -> (replicas, colocate_with)): the sources and everything downstream of them over
+        (id -> replicas): the sources and everything downstream of them over
         stream or keyed edges. A stage fed only by broadcast edges (e.g. an evaluation of the
         published weights) gets no barrier, keeps no checkpoint state and starts afresh on resume."""
         reached = {sid for sid, n in self.stages.items() if not n.inputs}
         while new := {e.dst for e in self.edges if e.src in reached and e.cfg.kind != "broadcast"} - reached:
             reached |= new
-        return {sid: (n.replicas, n.colocate_with) for sid, n in self.stages.items() if sid in reached}
+        return {sid: n.replicas for sid, n in self.stages.items() if sid in reached}
 
     def topo_order(self) -> list[str]:
         """Stage ids so that producers come before consumers (feedback edges ignored)."""
@@ -267,8 +276,7 @@ class Pipeline:
                  *[f"requires: {name} (made by {file})" for name, file in spec.requires.items()], "stages:"]
         for sid in self.topo_order():
             n = self.stages[sid]
-            kind = (f"fused into {n.colocate_with}" if n.colocate_with else
-                    f"torchrun group x{n.world_size}" if n.world_size > 1 else "process")
+            kind = f"torchrun group x{n.world_size}" if n.world_size > 1 else "process"
             lines.append(f"  {sid:<14} {n.class_path}  replicas={n.replicas}  [{kind}]")
         lines.append("edges:")
         for e in self.edges:
@@ -288,17 +296,16 @@ def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise ValueError(f"{where}.class: {cls!r} is not a molt.stage.Stage subclass")
     config = validate(cls.Config, s.config, source, ("stages", sid, "config"))
-    inputs, outputs = cls.ports(config)
-    for key in ("cpus", "gpus"):
-        if getattr(s, key) is not None and s.colocate_with is not None:
-            raise ValueError(f"{where}.{key}: a stage fused into {s.colocate_with!r} runs in its processes; "
-                             f"hint: set {key} on stages.{s.colocate_with}")
+    try:
+        inputs, outputs = cls.ports(config)
+    except ValueError as e:
+        raise ValueError(f"{where}.config.{e}") from None
     cpus = None if s.cpus is None else parse_ids(str(s.cpus), f"{where}.cpus")
     gpus = None if s.gpus is None else parse_ids(str(s.gpus), f"{where}.gpus")
     if gpus is not None and len(gpus) % s.replicas:
         raise ValueError(f"{where}.gpus: {len(gpus)} GPUs do not split evenly among {s.replicas} replicas")
     return StageNode(sid, cls, f"{cls.__module__}.{cls.__qualname__}", config, s.replicas,
-                     s.world_size, s.colocate_with, inputs, outputs, cpus, gpus)
+                     s.world_size, inputs, outputs, cpus, gpus)
 
 
 def _endpoint(ref: str, stages: dict[str, StageNode], out: bool, where: str) -> tuple[str, str]:
@@ -335,10 +342,9 @@ def _check_graph(pipe: Pipeline) -> None:
                                  f"{{from: PRODUCER, to: {sid}.{port}}} under edges")
     for sid, n in pipe.stages.items():
         for port in n.outputs:
-            if not any(e.src == sid and e.src_port == port for e in pipe.edges):
+            if not n.outputs[port].optional and not any(e.src == sid and e.src_port == port for e in pipe.edges):
                 raise ValueError(f"{src}: stages.{sid}: output {port!r} has no edge, its rows would "
                                  "be lost; hint: connect it to a consumer (a sink)")
-        _check_colocation(pipe, sid, n)
     for sid in pipe.topo_order():
         _check_inputs(pipe, sid)
         for e in (e for e in pipe.edges if e.src == sid):
@@ -393,21 +399,3 @@ def _check_inputs(pipe: Pipeline, sid: str) -> None:
             if have[f.name] != f.type:
                 raise ValueError(f"{pipe.source}: edge {first_edge.name}: column {f.name!r} is "
                                  f"{have[f.name]} but {sid!r} reads {f.type}")
-
-
-def _check_colocation(pipe: Pipeline, sid: str, n: StageNode) -> None:
-    if n.colocate_with is None:
-        return
-    where = f"{pipe.source}: stages.{sid}.colocate_with"
-    host = pipe.stages.get(n.colocate_with)
-    if host is None or host.colocate_with is not None or n.colocate_with == sid:
-        raise ValueError(f"{where}: {n.colocate_with!r} must be another stage that is not itself "
-                         f"fused; stages: {sorted(pipe.stages)}")
-    if n.replicas != 1 or n.world_size != 1:
-        raise ValueError(f"{where}: a fused stage runs in each of its host's processes; "
-                         "leave its replicas and world_size at 1")
-    external = [e.name for e in pipe.edges if e.dst == sid and e.src != n.colocate_with]
-    if host.world_size > 1 and external:
-        raise ValueError(f"{where}: a stage fused into a torchrun group may only receive from "
-                         f"its host; got {external}")
-

@@ -87,7 +87,7 @@ class PlacementError(RuntimeError):
 
 def check_placement(pipe: Pipeline) -> None:
     """Raises ValueError naming ``placement.backend`` when ray is not installed, or
-    ``placement.stages.<id>`` for an unknown or fused stage, a ``nodes`` that does not divide
+    ``placement.stages.<id>`` for an unknown stage, a ``nodes`` that does not divide
     ``world_size``, or ``nodes > 1`` on the local backend."""
     import importlib.util
 
@@ -100,8 +100,6 @@ def check_placement(pipe: Pipeline) -> None:
         if sid not in pipe.stages:
             raise ValueError(f"{where}: no such stage; stages: {sorted(pipe.stages)}")
         node = pipe.stages[sid]
-        if node.colocate_with is not None:
-            raise ValueError(f"{where}: the stage runs in {node.colocate_with}'s processes; place {node.colocate_with}")
         if p.nodes > 1 and spec.backend == "local":
             raise ValueError(f"{where}.nodes: {p.nodes} nodes need a multi-node backend (placement.backend: ray)")
         if p.nodes > 1 and node.world_size == 1:

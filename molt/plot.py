@@ -139,7 +139,7 @@ def _staleness(series: Series) -> Any:
 
 
 def _time(series: Series) -> Any:
-    parts = {"train steps": "train/step_seconds", "weight export": "broadcast/export_seconds",
+    parts = {"train steps": "train/step_seconds", "weight export": "train/export_seconds",
              "refits": "rollout/refit_seconds", "evaluations": "evaluate/seconds"}
     totals = {label: sum(v for _, v in series[key]) for label, key in parts.items() if key in series}
     if "rollout/generate_seconds" in series:  # wall time from the first request to the end (logged once)

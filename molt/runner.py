@@ -80,20 +80,13 @@ def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
                     pipe.spec.host)
     wiring = {}
     for e in pipe.edges:
-        src, dst = pipe.stages[e.src], pipe.stages[e.dst]
-        inproc = dst.colocate_with == e.src or src.colocate_with == e.dst or (
-            src.colocate_with is not None and src.colocate_with == dst.colocate_with)
-        producer = src.colocate_with or e.src
-        num_producers = pipe.stages[producer].replicas
-        num_consumers = pipe.stages[dst.colocate_with or e.dst].replicas
-        if inproc:
-            endpoints = [f"inproc://e{e.index}.{i}" for i in range(num_producers)]
-        elif pipe.spec.transport == "tcp":
-            hosts = [tcp_host(producer, i) if tcp_host else (pipe.spec.host, free_port) for i in range(num_producers)]
+        num_producers, num_consumers = pipe.stages[e.src].replicas, pipe.stages[e.dst].replicas
+        if pipe.spec.transport == "tcp":
+            hosts = [tcp_host(e.src, i) if tcp_host else (pipe.spec.host, free_port) for i in range(num_producers)]
             endpoints = [f"tcp://{host}:{port(host)}" for host, port in hosts]
         else:
             endpoints = [f"ipc://{sock_dir}/e{e.index}.{i}" for i in range(num_producers)]
-        wiring[e.name] = {"endpoints": endpoints, "inproc": inproc, "curve": None if inproc else curve,
+        wiring[e.name] = {"endpoints": endpoints, "curve": curve,
                           "consumers": [f"{e.dst}.{j}" for j in range(num_consumers)]}
     return wiring
 
@@ -133,7 +126,7 @@ class Runner:
                                          f"available; this machine offers {sorted(os.sched_getaffinity(0))}")
         # after the backend, which removes it (`run`); one that failed to start has nothing to clean
         self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
-        owners = [sid for sid in reversed(self.pipe.topo_order()) if self.pipe.stages[sid].colocate_with is None]
+        owners = list(reversed(self.pipe.topo_order()))
         slots = {sid: self.backend.reserve(sid, self.pipe.stages[sid].replicas, self._nodes(sid)) for sid in owners}
         tcp_host = None
         if placement.backend == "ray" and (remote := self.backend.remote_stage(slots)):

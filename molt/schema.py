@@ -78,13 +78,13 @@ WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
     _field("num_bytes", pa.int64(), "total size of the tensor bytes (bytes)"),
     _field("tensor_names", pa.list_(pa.string()), "[N] Hugging Face names of every exported tensor"),
     _field("tensor_digests", pa.list_(pa.string()),
-           "[N] digest of each tensor's dtype, shape and bytes (molt.engines.weights.tensor_digest), "
+           "[N] digest of each tensor's dtype, shape and bytes (molt.refit.tensor_digest), "
            "in tensor_names order; the engine recomputes them as it loads (refit verification)"),
     _field("tensor_dtypes", pa.list_(pa.string()), "[N] torch dtype of each tensor without 'torch.' (float32, "
            "bfloat16), in tensor_names order: a streamed transfer (format nccl) sizes its buffers by them"),
     _field("tensor_shapes", pa.list_(pa.list_(pa.int64())), "[N][rank] shape of each tensor, tensor_names order"),
     _field("probe_token_ids", _I32_LIST,
-           "[P] fixed probe token ids (molt.engines.probe), the same every version; empty = no probe"),
+           "[P] fixed probe token ids (molt.refit), the same every version; empty = no probe"),
     _field("probe_logprobs", _F32_LIST,
            "[P-1] the trainer's log_softmax(logits)[x_t] of probe token t given those before it, "
            "temperature 1, t = 1..P-1; the engine's must match within probe_atol after the refit"),

@@ -32,10 +32,10 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from molt.checkpoint import checkpoint_dir, read_replica_state, write_json_atomic
+from molt.edges import Barrier
 from molt.metrics import MetricsWriter, get_logger
 from molt.ports import InputPort, OutputPort
 from molt.seeds import derive_seed
-from molt.edges import Barrier
 
 
 SCRATCH_ENV = "MOLT_SCRATCH"  # the run's scratch folder, set by the runner for its workers
@@ -74,12 +74,15 @@ class Port:
     writes: columns an output adds.
     passes: the input port whose columns an output carries through.
     schema: a fixed schema instead of reads/writes (e.g. the weight-version record).
+    optional: an output that may have no edge: the stage then sends nothing on it (it
+        reads ``StageContext.subscribed``; the trainer publishes weights only when asked).
     """
 
     reads: tuple[str | pa.Field, ...] = ()
     writes: tuple[str | pa.Field, ...] = ()
     passes: str | None = None
     schema: pa.Schema | None = None
+    optional: bool = False
 
 
 @dataclass
@@ -98,6 +101,7 @@ class StageContext:
     group: Any = None  # molt.worker.GroupChannel for torchrun groups
     resume_from: Path | None = None  # checkpoint folder this run resumes from
     seed: int = 0  # the pipeline's seed (molt.seeds)
+    subscribed: set[str] = field(default_factory=set)  # outputs with at least one edge
 
     def seed_for(self, *parts: object) -> int:
         """This stage's own seed, derived from the run's: ``derive_seed(seed, stage_id, *parts)``

@@ -1,8 +1,8 @@
 """The body of one stage process: ``python -m molt.worker RUN_DIR STAGE REPLICA``.
 
 The runner starts one per stage replica (under torchrun for a group). The worker
-loads the resolved pipeline and wiring from the run directory, builds the host stage
-and every stage fused into it (``colocate_with``), wires their ports, and runs::
+loads the resolved pipeline and wiring from the run directory, builds the stage, wires
+its ports, and runs::
 
     1) connect inputs and say hello     2) setup() (+ load_checkpoint when resuming)
     3) wait for every consumer's hello  4) run the stage's loop
@@ -36,25 +36,19 @@ import zmq.asyncio
 
 from molt.checkpoint import read_replica_state
 from molt.curve import run_keys, start_authenticator
+from molt.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
 from molt.metrics import MetricsWriter
 from molt.pipeline import Pipeline, StageNode
+from molt.ports import InputPort, OutputPort
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
-from molt.ports import InputPort, OutputPort
-from molt.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
-    """The :class:`EdgeSpec` of an edge as seen from one process, and its replica index there.
-
-    An edge between a host and its fused stage is in-process: each process holds one
-    producer and one consumer of it.
-    """
+    """The :class:`EdgeSpec` of an edge as seen from one process, and its replica index there."""
     edge = next(e for e in pipe.edges if e.name == edge_name)
     w = wiring[edge_name]
     endpoints, consumers = tuple(w["endpoints"]), tuple(w["consumers"])
-    if w["inproc"]:
-        endpoints, consumers, replica = (endpoints[replica],), (consumers[replica],), 0
     assert edge.schema is not None
     spec = EdgeSpec(edge_name, edge.cfg.kind, endpoints, consumers, edge.schema, edge.cfg.key,
                     edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
@@ -116,30 +110,26 @@ class NullOutput:
 def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica: int, run_dir: Path,
                 zctx: zmq.asyncio.Context, rank: int, world_size: int, group: Any) -> Stage:
     """Instantiate one stage with its ports wired for this process."""
-    host = pipe.stages[node.colocate_with] if node.colocate_with else node
     name = f"{node.id}.{replica}"
     resume_from, recorded = resume_plan(run_dir, name) if node.id in pipe.checkpointed() else (None, {})
-    ctx = StageContext(node.id, replica, host.replicas, run_dir, rank, world_size, resume_from=resume_from,
-                       seed=pipe.spec.seed)
+    ctx = StageContext(node.id, replica, node.replicas, run_dir, rank, world_size, resume_from=resume_from,
+                       seed=pipe.spec.seed, subscribed={e.src_port for e in pipe.edges if e.src == node.id})
     suffix = "" if world_size == 1 else f".rank{rank}"
     ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,
                                 node.id, replica)
     for port in node.inputs:
         edges = [e for e in pipe.edges if e.dst == node.id and e.dst_port == port]
         specs = [edge_spec(pipe, wiring, e.name, replica)[0] for e in edges]
-        internal = all(wiring[e.name]["inproc"] for e in edges)
-        if world_size == 1 or internal:
+        if world_size == 1:
             ctx.inputs[port] = InputPort(zctx, port, specs, name)
         else:
             real = InputPort(zctx, port, specs, name) if rank == 0 else None
             ctx.inputs[port] = GroupInput(real, specs[0].schema, group)  # type: ignore[assignment]
     for port in node.outputs:
         edges = [e for e in pipe.edges if e.src == node.id and e.src_port == port]
-        if world_size > 1 and rank != 0:  # only rank 0 sends, except to fused stages
-            edges = [e for e in edges if wiring[e.name]["inproc"]]
-            if not edges:
-                ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
-                continue
+        if world_size > 1 and rank != 0:  # only rank 0 sends
+            ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
+            continue
         recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow",
                                           recorded.get(e.name, 0))
                      for e in edges if e.cfg.record and rank == 0}
@@ -178,7 +168,7 @@ async def run_stage(stage: Stage) -> None:
 
 async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, replica: int,
                       run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
-    """Run a host stage and every stage fused into it, concurrently, in this process."""
+    """Run one stage replica (a rank of its torchrun group) in this process."""
     group = None
     if world_size > 1:
         import torch
@@ -189,24 +179,15 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
     zctx = zmq.asyncio.Context()
     keys = next((w["curve"] for w in wiring.values() if w.get("curve")), None)
     auth = start_authenticator(zctx, run_keys(keys)) if keys else None  # before any CURVE server binds
-    nodes = [pipe.stages[stage_id]] + [n for n in pipe.stages.values() if n.colocate_with == stage_id]
-    stages = [build_stage(pipe, wiring, n, replica, run_dir, zctx, rank, world_size, group) for n in nodes]
+    stage = build_stage(pipe, wiring, pipe.stages[stage_id], replica, run_dir, zctx, rank, world_size, group)
     try:
-        for s in stages:  # 1) connect and say hello before any (slow) setup
-            for inp in s.ctx.inputs.values():
-                await inp.start()
-        tasks = [asyncio.create_task(run_stage(s), name=f"{s.ctx.stage_id}_loop") for s in stages]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in pending:
-            t.cancel()
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+        for inp in stage.ctx.inputs.values():  # 1) connect and say hello before any (slow) setup
+            await inp.start()
+        await run_stage(stage)
     finally:
-        for s in stages:
-            ports: list[Any] = [*s.ctx.inputs.values(), *s.ctx.outputs.values()]
-            for p in ports:
-                p.close()
+        ports: list[Any] = [*stage.ctx.inputs.values(), *stage.ctx.outputs.values()]
+        for p in ports:
+            p.close()
         if auth is not None:
             auth.stop()
         zctx.term()

@@ -1,11 +1,11 @@
 """Evaluate: held-out accuracy of the policy, before training and every k versions, on one or several tasks.
 
-Runs its own engine (vLLM by default) on the policy's model and listens to the weight broadcast on
+Runs its own engine (vLLM by default) on the policy's model and listens to the trainer's published weights on
 ``weights`` (a ``kind: broadcast`` edge). It evaluates the initial weights at start; then, for each
 task, whenever a version ``v`` with ``v % every_versions == 0`` has been published, the newest version
 received (``v`` unless newer ones were waiting or its file was pruned); and at end of stream the last
 version it saw on every task not evaluated at it (the final accuracy). Refits are verified
-(molt.engines.weights). A resumed run evaluates no version its metrics file holds already.
+(molt.engines.refit). A resumed run evaluates no version its metrics file holds already.
 
 One evaluation of a task (molt.evaluation.Evaluator, as a rollout's ``evaluate:`` on the rollout's engine):
 every problem, one greedy completion each and, with ``samples: k``, k at the task's ``temperature``, graded by
@@ -18,7 +18,7 @@ its ``grader``. It logs at step = policy version, under the stage id and, for on
     num_problems, seconds, policy_version
 
 and sends one row per task and evaluation on ``out`` (EVAL_SCHEMA). Weight files: a record's file is
-hard-linked into this stage's own folder as it arrives, so the broadcast's pruning (``keep_versions``)
+hard-linked into this stage's own folder as it arrives, so the trainer's pruning (``keep_versions``)
 cannot delete a version still to be evaluated; only the newest link (and one being loaded) is kept.
 
     evaluate:
@@ -42,7 +42,7 @@ from pydantic import Field
 
 from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
-from molt.engines.weights import apply_weight_record
+from molt.engines.refit import apply_weight_record
 from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.stage import Port, Service, scratch_folder
 
@@ -103,12 +103,12 @@ class Evaluate(Service):
 
     def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record with ``uri`` at a hard link of its file in our folder, now our newest link (the
-        previous one is dropped unless an engine is loading it); ``uri`` None if the broadcast had
+        previous one is dropped unless an engine is loading it); ``uri`` None if the trainer had
         already pruned the file (it prunes only after writing a newer one, whose record follows)."""
         if record.get("format", "safetensors") != "safetensors":
             raise ValueError(f"stage {self.ctx.stage_id!r}: weight record v{record['policy_version']} comes over "
-                             f"{record['format']!r}; an evaluation loads files; hint: feed it from a broadcast "
-                             "stage with transport {type: shm} (stages.broadcast docstring)")
+                             f"{record['format']!r}; an evaluation loads files; hint: feed it from a train "
+                             "output published with transport {type: shm} (molt.train.publish)")
         source = Path(record["uri"].removeprefix("file://"))
         link = self.folder / f"v{record['policy_version']}.safetensors"
         if not link.exists():

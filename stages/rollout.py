@@ -5,7 +5,7 @@ Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``gr
 versions go from the engine to the record untouched. Groups leave in the order they started, the i-th only once the
 engine is at version >= i // groups_per_step - max_staleness (DESIGN §4, molt.agents.admission; a group dropped
 downstream, told on ``drops``, gives up its place). Each weight record on ``weights`` is loaded and verified (a
-failure stops the run); streamed ones (nccl) are taken until the broadcast ends, after ``out``, as all are with
+failure stops the run); streamed ones (nccl) are taken until the weights end, after ``out``, as all are with
 ``evaluate:``: evaluations on this engine (molt.evaluation.Evaluator; rows on ``eval``). Checkpoint: admission
 counters, versions evaluated and the engine's version, which a resumed rollout waits for. A rollout whose env or agent
 raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost
@@ -25,6 +25,7 @@ from pydantic import Field
 
 from molt.agents import ChatServer, ChatTemplate, Episode, episode_classes, run_episode, run_group
 from molt.agents.admission import GroupAdmission
+from molt.edges import Barrier
 from molt.engines.base import SamplingParams
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.restart import EngineRestarter, RestartConfig
@@ -34,7 +35,6 @@ from molt.policy import policy_field
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, Service, StageConfig
 from molt.tasks import read_prompts
-from molt.edges import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
           "policy_version", "group_size", "finish_reason", "metadata", "images", "image_token_positions")
@@ -192,7 +192,7 @@ class Rollout(Service):
 
     async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
         seconds = await self.evaluator.refit(lambda: self.restarter.refit(item), wait=item is not None)
-        if seconds is not None:  # verified (molt.engines.weights), not during an evaluation (molt.evaluation)
+        if seconds is not None:  # verified (molt.engines.refit), not during an evaluation (molt.evaluation)
             self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
 
     def close(self) -> None:

@@ -8,57 +8,57 @@ aggregation over the step's global token count), then AdamW with clipping and a
 warmup/decay schedule. Before a step, every generated token's ``policy_version`` is
 checked against ``max_staleness``; a violation stops the run naming the sample.
 
-After each step it logs one line (``step 12  loss 0.41  reward 0.62 ... entropy 0.41 ... mem
-3.1GB``; a warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop
-the run), writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and ranks;
-the collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a one-row step record
-(STEP_SCHEMA) on ``out`` for the fused broadcast stage, which gets the model through
-molt.train.handoff; each step waits for its acknowledgement, so all ranks' collectives keep in step.
-
-Checkpoint (molt.train.state): every rank saves the full model (a HF folder), AdamW and RNG
-state at a barrier. A resumed trainer restores them, then sends a resume record (``num_rows`` 0)
-so the fused broadcast re-publishes the restored weights for the engines.
+After each step it publishes the new version (molt.train.publish: on every rank, as the gather and
+the probe are collectives) on each subscribed output of ``publish`` where due (default: ``weights``,
+every step), logs one line (``step 12  loss 0.41  reward 0.62 ... export 0.25s  mem 3.1GB``; a
+warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop the run),
+writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and ranks; the
+collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a step record on ``out``.
+Checkpoint (molt.train.state): every rank saves the full model (a HF folder), AdamW and RNG state
+at a barrier; a resumed trainer restores them and publishes the restored version first.
 
     train:
       class: stages.train.Train
       world_size: 2
       config: {model: smollm2-135m-instruct, max_staleness: 1, policy_loss: {type: ppo, clip_high: 0.28},
                optim: {lr: 1.0e-6}}   # temperature and compute_dtype: the pipeline's policy block
+    edges:
+      - {from: train.weights, to: rollout.weights, kind: broadcast, feedback: true}
 """
 
 from __future__ import annotations
 
-import resource
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from pydantic import Field
 
 from molt.checkpoint import read_replica_state
+from molt.edges import Barrier
+from molt.memory import peak_memory_gb
 from molt.models import export_path
 from molt.policy import Precision, policy_field
-from molt.schema import batch_from_rows
+from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
-from molt.train.state import export_model_folder, load_train_state, save_train_state
-from molt.train.handoff import drop_handle, policy_handle
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import check_moe_keys, freeze_routers
 from molt.train.optim import OptimConfig, make_optimizer
+from molt.train.publish import PublishConfig, Publisher
+from molt.train.state import export_model_folder, load_train_state, save_train_state
 from molt.train.step import (SFT_UNREAD, STEP_READS, STEP_SCHEMA, ObjectiveConfig, StepResult, check_objective,
-                             check_staleness, train_step)
-from molt.edges import Barrier
+                             check_staleness, lag_sum, train_step)
 
 PACK_READS = (pa.field("step", pa.int32()), pa.field("dp_rank", pa.int32()), pa.field("micro_batch", pa.int32()),
               pa.field("step_loss_tokens", pa.int64()), pa.field("step_loss_seqs", pa.int64()))
 
 
 class Train(Service):
-    """Step batches in, one step record out per optimizer step."""
+    """Step batches in; one step record out per optimizer step, weight records on each ``publish`` output."""
 
     class Config(StageConfig, ObjectiveConfig):
         model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
@@ -77,6 +77,9 @@ class Train(Service):
         seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.seeds)")
         optim: OptimConfig = Field(default_factory=OptimConfig)
         collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="molt.train.collapse")
+        publish: dict[str, PublishConfig] = Field(
+            default_factory=lambda: {"weights": PublishConfig()}, description="output -> how the weights are "
+            "published on it when subscribed (molt.train.publish); e.g. a second output for an evaluation")
 
     config: Config
 
@@ -86,17 +89,19 @@ class Train(Service):
         reads = tuple(c for c in STEP_READS if config.policy_loss.type != "sft" or c not in SFT_UNREAD) + PACK_READS \
             + (("ref_logprobs",) * (config.kl is not None)) + (("routed_experts",) * bool(
                 config.routing_replay or config.routing_replay_compare))
-        return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA)}
+        if "out" in config.publish:
+            raise ValueError("publish.out: 'out' carries the step records; name the weights output otherwise")
+        return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA), **{
+            port: Port(schema=WEIGHT_VERSION_SCHEMA, optional=True) for port in config.publish}}
 
     def setup(self) -> None:
         from molt.models import resolve_model
 
-        c = self.config
-        check_objective(c, f"stages.{self.ctx.stage_id}.config")
+        c, key = self.config, f"stages.{self.ctx.stage_id}.config"
+        check_objective(c, key)
         torch.manual_seed(self.ctx.seed_for() if c.seed is None else c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
-        key = f"stages.{self.ctx.stage_id}.config"
         if c.freeze_router:
             freeze_routers(model.lm, f"{key}.freeze_router")
         check_moe_keys(c, model.router_hooks is not None, key)
@@ -105,52 +110,58 @@ class Train(Service):
         self.version = 0  # optimizer steps taken
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False
-        self.handle = policy_handle(self.ctx.stage_id)
-        self.handle.model = self.model
         self.watch = CollapseWatch(c.collapse, key)
+        self.publishers = {port: Publisher(c.publish[port], self.model, self.ctx.rank, f"{key}.publish.{port}")
+                           for port in c.publish if port in self.ctx.subscribed}
 
     async def run(self) -> None:
         if self.resumed:  # engines get the restored weights before any new rollout
-            await self.send("out", self._record(0, StepResult(0.0, 0.0, 0.0, 0, {}), 0, 0.0))
-            await self.handle.wait_acked(self.version - 1)
+            await self.publish(resumed=True)
         while (item := await self.recv("in")) is not None:
             if isinstance(item, Barrier):
                 await self.barrier(item.step)
                 continue
-            # 1) check  2) step  3) send the step record  4) wait for fused consumers
-            record = self.step(item)
-            await self.send("out", record)
-            await self.handle.wait_acked(self.version - 1)
+            # 1) check and step  2) publish the new version (collectives: every rank)  3) report
+            result, lag, seconds = self.step(item)
+            self._report(result, lag, seconds, await self.publish())
+            await self.send("out", self._record(item.num_rows, result, lag, seconds))
         if self.config.export_model:  # molt.models.export_path: a cache name or a path
             out = export_model_folder(self.model, self.model_dir, export_path(self.config.export_model))
             self.log.info("exported the policy at version %d to %s", self.version, out)
 
-    def step(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """Train one step batch; returns the step record."""
+    def step(self, batch: pa.RecordBatch) -> tuple[StepResult, int, float]:
+        """Train one step batch; returns its result, the largest lag and the seconds it took."""
         start = time.monotonic()
         expected = batch.column("step")[0].as_py()
         if expected != self.version:
             raise ValueError(f"stage {self.ctx.stage_id!r}: column 'step' is {expected} but the trainer is at "
                              f"version {self.version}; hint: one pack stage feeds one train stage from step 0")
         lag = check_staleness(batch, self.version, self.config.max_staleness)
-        lag_sum, lag_tokens = _lag_sum(batch, self.version)
-        self.lag_sum, self.lag_tokens = self.lag_sum + lag_sum, self.lag_tokens + lag_tokens
+        lags, tokens = lag_sum(batch, self.version)
+        self.lag_sum, self.lag_tokens = self.lag_sum + lags, self.lag_tokens + tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim, self.version)
         result.metrics.update(row_metrics(batch))
         if not result.metrics.get("tokens/count"):  # every row inert: no trained token to take an entropy of
             result.metrics.pop("entropy/mean", None)
         self.version += 1
-        seconds = time.monotonic() - start
-        self._report(result, lag, seconds)
-        return self._record(batch.num_rows, result, lag, seconds)
+        return result, lag, time.monotonic() - start
+
+    async def publish(self, resumed: bool = False) -> dict[str, float]:
+        """Publish ``self.version`` where due (a resumed trainer's: everywhere); seconds taken, and probing."""
+        start, probe = time.monotonic(), 0.0
+        for port, publisher in self.publishers.items():
+            if resumed or publisher.due(self.version):
+                await publisher.publish(self.version, partial(self.send, port))
+                probe += publisher.probe_seconds
+        return {"export_seconds": time.monotonic() - start, "probe_seconds": probe}
 
     def _record(self, num_rows: int, result: StepResult, lag: int, seconds: float) -> pa.RecordBatch:
         """The one-row step record of the step that made ``self.version`` (STEP_SCHEMA)."""
         return batch_from_rows([{
-            "step": self.version - 1, "policy_version": self.version, "num_rows": num_rows,
-            "num_tokens": result.num_tokens, "num_loss_tokens": int(result.metrics.get("tokens/count", 0)),
-            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "reward_mean": result.metrics.get("reward/mean", 0.0),
-            "max_lag": lag, "step_seconds": seconds}], STEP_SCHEMA)
+            "step": self.version - 1, "policy_version": self.version, "num_rows": num_rows, "max_lag": lag,
+            "num_tokens": result.num_tokens, "num_loss_tokens": int(result.metrics.get("tokens/count", 0)), "loss":
+            result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "step_seconds": seconds,
+            "reward_mean": result.metrics.get("reward/mean", 0.0)}], STEP_SCHEMA)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "lag_sum": self.lag_sum, "lag_tokens": self.lag_tokens}
@@ -166,8 +177,8 @@ class Train(Service):
         self.resumed = True
         self.log.info("resumed at version %d from %s", self.version, folder)
 
-    def _report(self, result: StepResult, lag: int, seconds: float) -> None:
-        tok_s, memory_gb = result.num_tokens / max(seconds, 1e-9), _peak_memory_gb(self.config.device)
+    def _report(self, result: StepResult, lag: int, seconds: float, published: dict[str, float]) -> None:
+        tok_s, memory_gb = result.num_tokens / max(seconds, 1e-9), peak_memory_gb(self.config.device)
         crossed = self.watch(result.metrics) if self.config.policy_loss.type != "sft" else []  # SFT samples nothing
         if self.ctx.rank == 0:
             (self.log.warning if crossed else self.log.info)(
@@ -175,26 +186,15 @@ class Train(Service):
                 "%.3f  time %.1fs  export %.2fs  mem %.2fGB%s", self.version - 1, result.loss, result.metrics["reward/mean"], tok_s, lag,
                 result.grad_norm, result.lr, result.metrics.get("clip/high_frac", 0.0) + result.metrics.get(
                     "clip/low_frac", 0.0), result.metrics.get("entropy/mean", float("nan")), seconds,
-                self.handle.export_seconds, memory_gb, "  COLLAPSE: " + ", ".join(crossed) if crossed else "")
+                published["export_seconds"], memory_gb, "  COLLAPSE: " + ", ".join(crossed) if crossed else "")
         self.metrics.count("tokens_trained", result.num_tokens)
         self.metrics.log({**result.metrics, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                           "lag/max": lag, "tokens_per_s": tok_s, "step_seconds": seconds,
                           "lag/mean_run": self.lag_sum / max(self.lag_tokens, 1), "peak_memory_gb": memory_gb,
-                          "policy_version": self.version, "collapse/alarms": len(crossed)}, step=self.version - 1)
+                          "policy_version": self.version, "collapse/alarms": len(crossed), **published},
+                         step=self.version - 1)
 
     def close(self) -> None:
-        drop_handle(self.ctx.stage_id)
+        for publisher in getattr(self, "publishers", {}).values():
+            publisher.close()
 
-
-def _lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
-    """Sum over generated tokens (loss_mask) of ``version - policy_version``, and their count."""
-    versions = pc.list_flatten(batch.column("policy_version")).to_numpy(zero_copy_only=False)
-    mask = pc.list_flatten(batch.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
-    return float((version - versions[mask]).sum()), int(mask.sum())
-
-
-def _peak_memory_gb(device: str) -> float:
-    """Peak memory of this rank: CUDA allocator peak on GPU, else the process's peak RSS."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

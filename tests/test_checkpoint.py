@@ -109,7 +109,7 @@ def resumable_rl(model):
 
 
 def step_records(run_dir):
-    return [r for b in read_batches(run_dir / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    return [r for b in read_batches(run_dir / "record" / "train.out--sink.in") for r in b.to_pylist()]
 
 
 def test_a_run_resumed_after_step_one_reaches_the_uninterrupted_weights_at_step_four(

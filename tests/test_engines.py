@@ -284,7 +284,7 @@ def test_vllm_load_weights_changes_output_versions_tokens_and_restores_exactly(
 
 def file_digests_of(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """name -> tensor_digest for an in-memory state dict."""
-    from molt.engines.weights import tensor_digest
+    from molt.refit import tensor_digest
 
     return {name: tensor_digest(t) for name, t in state.items()}
 

@@ -1,4 +1,4 @@
-"""Refits through vLLM's weight-transfer API (molt.engines.transport, molt.engines.nccl_transfer).
+"""Refits through vLLM's weight-transfer API (molt.refit, molt.engines.nccl_transfer).
 
 Four tiers:
 - pure logic (config, record fields, rank layout, the digesting loader): fast, CPU;
@@ -26,12 +26,11 @@ import pytest
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from molt.engines.transport import (IPCTransport, NCCLTransport, ShmTransport, TransportConfig, check_covers,
-                                    check_transport, engine_backend, rank_offset, tensor_layout, transfer_uri,
-                                    update_info, worker_init_info)
-from molt.engines.weights import tensor_digest
+from molt.refit import (IPCTransport, NCCLTransport, ShmTransport, TransportConfig, check_covers, check_transport,
+                        engine_backend, rank_offset, tensor_digest, tensor_layout, transfer_uri, update_info,
+                        worker_init_info)
 
-WHERE = "stages.broadcast.config.transport"
+WHERE = "stages.train.config.publish.weights.transport"
 PROBE = [1, 17, 300, 4211, 97, 5, 12000, 33, 2048, 7]
 
 
@@ -74,7 +73,7 @@ def test_transport_defaults_to_shm_and_refuses_unknown_keys():
 
 def test_nccl_without_cuda_is_refused_naming_the_yaml_key():
     check_transport(ShmTransport(), WHERE, cuda_available=False)
-    with pytest.raises(ValueError, match=r"stages\.broadcast\.config\.transport\.type: 'nccl' needs CUDA GPUs.*"
+    with pytest.raises(ValueError, match=r"stages\.train\.config\.publish\.weights\.transport\.type: 'nccl' needs CUDA GPUs.*"
                                          r"\{type: shm\}"):
         check_transport(nccl(), WHERE, cuda_available=False)
     check_transport(nccl(), WHERE, cuda_available=True)
@@ -246,35 +245,29 @@ def test_a_send_no_engine_takes_times_out_and_a_failed_send_carries_its_error(st
     assert isinstance(info.value.__cause__, ValueError)
 
 
-def test_the_broadcast_stage_sends_the_record_first_then_every_tensor_over_nccl(stubbed_nccl, monkeypatch,
-                                                                                 tiny_chat_model):
-    """The broadcast stage's nccl path on CPU: CUDA check and device stubbed, vLLM's trainer engine real."""
+def test_the_trainer_publishes_the_record_first_then_every_tensor_over_nccl(stubbed_nccl, monkeypatch,
+                                                                             tiny_chat_model):
+    """The trainer's nccl publication on CPU: CUDA check and device stubbed, vLLM's trainer engine real."""
     import functools
 
     import molt.engines.nccl_transfer as nt
-    import stages.broadcast as broadcast_stage
-    from molt.engines.weights import state_digests
-    from molt.stage import StageContext
-    from molt.train.handoff import policy_handle
+    import molt.train.publish as publish
+    from molt.refit import state_digests
     from molt.train.model import full_state_dict, load_policy, shard_policy
 
-    monkeypatch.setattr(broadcast_stage, "check_transport", lambda transport, where: None)
+    monkeypatch.setattr(publish, "check_transport", lambda transport, where: None)
     monkeypatch.setattr(nt.NCCLSender, "__init__", functools.partialmethod(nt.NCCLSender.__init__,
                                                                            device=torch.device("cpu")))
     model = shard_policy(load_policy(tiny_chat_model, temperature=1.0))
-    policy_handle("train_nccl_test").model = model
-    config = broadcast_stage.Broadcast.Config(train_stage="train_nccl_test", probe_tokens=8,
-                                              transport={"type": "nccl", "master_port": 29600})
-    stage = broadcast_stage.Broadcast(config, StageContext("broadcast"))
+    config = publish.PublishConfig(probe_tokens=8, transport={"type": "nccl", "master_port": 29600})
+    stage = publish.Publisher(config, model, 0, WHERE.removesuffix(".transport"))
     sent_records: list[tuple[dict[str, Any], int]] = []
 
-    async def send(port: str, batch) -> None:  # what went out, and how many tensors NCCL had sent by then
+    async def send(batch) -> None:  # what went out, and how many tensors NCCL had sent by then
         sent_records.append((batch.to_pylist()[0], len(stubbed_nccl)))
 
-    monkeypatch.setattr(stage, "send", send)
-    stage.setup()
     assert stage.folder is None, "no weight files with nccl"
-    asyncio.run(stage.export(1))
+    asyncio.run(stage.publish(1, send))
     state = full_state_dict(model)
     (record, sent_before), = sent_records
     assert sent_before == 0, "the record precedes the tensors"
@@ -350,15 +343,16 @@ def test_a_refit_through_vllms_transfer_lifecycle_is_digest_verified_probed_and_
 
     from molt.engines.base import SamplingParams
     from molt.engines.nccl_transfer import WeightTransfer
-    from molt.engines.probe import Probe
+    from molt.engines.refit import apply_weight_record
     from molt.engines.vllm import VLLMEngine
-    from molt.engines.weights import apply_weight_record, publish_weights
+    from molt.refit import Probe
+    from molt.train.publish import publish_weights
     from tests.doubles.file_transfer import BACKEND, EXTENSION, FileReceiver
 
     model = AutoModelForCausalLM.from_pretrained(small_llama, dtype=torch.float32).eval()
 
     def streamed(version: int, seed: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Version ``version``'s record as the broadcast stage sends it (here the bytes lie in a file)."""
+        """Version ``version``'s record as the trainer sends it (here the bytes lie in a file)."""
         state = step(model, seed)
         probe = Probe(PROBE, trainer_logprobs(model, PROBE), 1e-3)
         record = publish_weights(state, tmp_path / f"v{version}.safetensors", version, probe)
@@ -401,7 +395,7 @@ def test_a_refit_through_vllms_transfer_lifecycle_is_digest_verified_probed_and_
 def test_an_engine_that_loads_files_refuses_a_streamed_record(tiny_chat_model):
     from molt.engines.config import EngineConfig, make_engine
     from molt.engines.hf import TransformersEngine
-    from molt.engines.weights import apply_weight_record
+    from molt.engines.refit import apply_weight_record
 
     record = {**record_of(small_state(), 1, **{"format": "nccl", "uri": transfer_uri(nccl())}), "probe_token_ids": []}
     with pytest.raises(ValueError, match=r"v1 comes over 'nccl', but TransformersEngine loads files only"):
@@ -421,10 +415,11 @@ def free_port() -> int:
 
 async def publish(engine, sender, state: dict[str, torch.Tensor], sent_state: dict[str, torch.Tensor],
                   version: int, probe) -> None:
-    """Version ``version`` as the broadcast stage publishes it (record with the digests of ``state``),
+    """Version ``version`` as the trainer publishes it (record with the digests of ``state``),
     while the engine takes it as the rollout does: trainer and engine meet in NCCL; the trainer
     sends ``sent_state``."""
-    from molt.engines.weights import apply_weight_record, state_digests, weight_record
+    from molt.engines.refit import apply_weight_record
+    from molt.refit import state_digests, weight_record
 
     fields = sender.record_fields(state)
     record = weight_record(state, version, fields["uri"], state_digests(state), probe, fields["format"])
@@ -443,7 +438,7 @@ def test_one_nccl_refit_from_a_trainer_gpu_to_a_vllm_engine_gpu_is_verified(defa
 
     from molt.engines.config import EngineConfig, make_engine
     from molt.engines.nccl_transfer import NCCLSender
-    from molt.engines.probe import Probe
+    from molt.refit import Probe
 
     transport = nccl(master_port=free_port(), num_engine_workers=1, timeout_s=300)
     check_transport(transport, WHERE)

@@ -155,20 +155,18 @@ def test_the_train_stage_runs_on_cuda_through_the_real_runner(tmp_path):
         "pack": {"class": "stages.pack.Pack", "config": {"groups_per_step": 2, "max_tokens_per_micro_batch": 96}},
         "train": {"class": "stages.train.Train", "config": {
             "model": str(model), "temperature": 1.0, "device": "cuda", "compute_dtype": "bfloat16",
-            "max_staleness": None, "optim": {"lr": 1e-3}}},
-        "broadcast": {"class": "stages.broadcast.Broadcast", "colocate_with": "train", "config": {"dir": str(tmp_path)}},
+            "max_staleness": None, "optim": {"lr": 1e-3}, "publish": {"weights": {"dir": str(tmp_path)}}}},
         "sink": {"class": SINK}, "weights_sink": {"class": SINK}},
         "edges": [{"from": "source", "to": "shape"}, {"from": "shape", "to": "advantage"},
                   {"from": "advantage", "to": "pack"}, {"from": "pack", "to": "train"},
-                  {"from": "train", "to": "broadcast"},
-                  {"from": "broadcast.out", "to": "sink", "record": True},
-                  {"from": "broadcast.weights", "to": "weights_sink", "record": True}]}
+                  {"from": "train.out", "to": "sink", "record": True},
+                  {"from": "train.weights", "to": "weights_sink", "record": True}]}
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 0, json.dumps(summary)[:2000]
-    steps = [r for b in read_batches(tmp_path / "run" / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    steps = [r for b in read_batches(tmp_path / "run" / "record" / "train.out--sink.in") for r in b.to_pylist()]
     assert [r["policy_version"] for r in steps] == [1, 2, 3, 4]
     assert all(r["num_rows"] == 8 and r["loss"] == r["loss"] for r in steps)
-    published = [r for b in read_batches(tmp_path / "run" / "record" / "broadcast.weights--weights_sink.in")
+    published = [r for b in read_batches(tmp_path / "run" / "record" / "train.weights--weights_sink.in")
                  for r in b.to_pylist()]
     assert [r["policy_version"] for r in published] == [1, 2, 3, 4]
     line = re.search(r"step 3 .* mem ([0-9.]+)GB", (tmp_path / "run" / "logs" / "train.0.log").read_text())

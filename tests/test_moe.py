@@ -141,11 +141,11 @@ def test_vllm_records_the_experts_of_every_token_incl_prefix_cache_hits_and_late
 @pytest.fixture(scope="module")
 def moe_trained_export(upcycled):
     """(export folder, record): one optimizer step of the upcycled MoE (FSDP2, world size 1)
-    exported with the trainer's probe, as the broadcast stage does."""
-    from molt.engines.probe import policy_probe, probe_token_ids
-    from molt.engines.weights import publish_weights
+    exported with the trainer's probe, as the trainer publishes it."""
+    from molt.refit import probe_token_ids
     from molt.train import OptimConfig, full_state_dict, load_policy, shard_policy, train_step
     from molt.train.optim import make_optimizer
+    from molt.train.publish import policy_probe, publish_weights
     from tests.test_train import OBJECTIVE, random_groups, step_batch
 
     optim = OptimConfig(lr=1e-3, grad_clip=1.0)  # large enough to change the greedy replies
@@ -165,8 +165,8 @@ def moe_trained_export(upcycled):
 
 def test_a_moe_refit_is_verified_and_equals_a_fresh_engine_on_the_export(vllm_session, moe_engine,
                                                                           moe_trained_export):
+    from molt.engines.refit import apply_weight_record
     from molt.engines.vllm import VLLMEngine
-    from molt.engines.weights import apply_weight_record
 
     loop, _, tokenizer, _ = vllm_session
     folder, record = moe_trained_export

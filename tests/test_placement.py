@@ -261,19 +261,19 @@ def test_the_gpu_recipes_load_with_their_placement_and_throughput_fields():
     for pipe in (qwen, two):
         assert {"rollout_tokens_per_s", "train_tokens_per_s", "step_seconds"} <= set(pipe.spec.results)
         assert pipe.stages["pack"].config.world_size == pipe.stages["train"].world_size
-        rollout, broadcast = pipe.stages["rollout"], pipe.stages["broadcast"]
+        rollout, publish = pipe.stages["rollout"], pipe.stages["train"].config.publish
         workers = rollout.replicas * rollout.config.engine.tensor_parallel_size
-        assert broadcast.config.transport.num_engine_workers == workers
+        assert publish["weights"].transport.num_engine_workers == workers
         assert rollout.config.engine.transport.type == "nccl"
     assert qwen.spec.placement.backend == "local" and len(qwen.stages["rollout"].gpus + qwen.stages["train"].gpus) == 8
     assert (two.spec.placement.backend, two.spec.transport) == ("ray", "tcp")
-    assert two.stages["broadcast"].config.transport.master_address == "auto", "engines on the other node"
+    assert two.stages["train"].config.publish["weights"].transport.master_address == "auto", "engines elsewhere"
     nodes = {sid: p.resources for sid, p in two.spec.placement.stages.items()}
     assert nodes == {"rollout": {"slurm_node_0": 1}, "train": {"slurm_node_1": 1}, "evaluate": {"slurm_node_0": 1}}
     assert len(two.stages["rollout"].gpus) + len(two.stages["evaluate"].gpus) == 8
     assert two.stages["train"].world_size == len(two.stages["train"].gpus) == two.stages["train"].config.expert_parallel_size
     assert two.stages["train"].config.model == "Qwen/Qwen3-VL-30B-A3B-Instruct"
-    assert two.stages["eval_broadcast"].config.dir is not None, "a file the other node can read"
+    assert two.stages["train"].config.publish["eval_weights"].dir is not None, "a file the other node can read"
 
 
 def test_a_launcher_refuses_a_node_without_the_shared_folders(tmp_path):

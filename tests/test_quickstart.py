@@ -10,8 +10,8 @@ import torch
 from molt.pipeline import Pipeline
 from molt.plot import plot_run
 from molt.recording import read_batches
-from molt.train.model import load_policy, shard_policy
 from molt.runner import Runner
+from molt.train.model import load_policy, shard_policy
 from tests.test_checkpoint import MOLT, step_records
 
 SHORT = [
@@ -38,7 +38,7 @@ def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model
     evals = [r["policy_version"] for b in read_batches(run / "record" / "evaluate.out--eval_sink.in")
              for r in b.to_pylist()]
     assert evals[0] == 0 and evals[-1] == 2 and evals == sorted(set(evals)), evals  # the newest when several wait
-    steps = [r for b in read_batches(run / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    steps = [r for b in read_batches(run / "record" / "train.out--sink.in") for r in b.to_pylist()]
     assert [r["policy_version"] for r in steps] == [1, 2] and all(r["num_rows"] == 16 for r in steps)
     assert sum(b.num_rows for b in read_batches(run / "record" / "rollout.out--reward.in")) == 32
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["barrier_1", "barrier_2"], \

@@ -153,10 +153,11 @@ def test_a_qwen3_vl_moe_refit_goes_through_the_checkpoint_layout_and_is_verified
     from safetensors import safe_open
 
     from molt.engines.hf import TransformersEngine
-    from molt.engines.probe import policy_probe, probe_token_ids
-    from molt.engines.weights import apply_weight_record, publish_weights
+    from molt.engines.refit import apply_weight_record
+    from molt.refit import probe_token_ids
     from molt.train import OptimConfig, full_state_dict, load_policy, train_step
     from molt.train.optim import make_optimizer
+    from molt.train.publish import policy_probe, publish_weights
     from molt.train.step import ObjectiveConfig
     from tests.test_vlm import sft_batch, sft_rows
 

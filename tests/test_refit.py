@@ -1,4 +1,4 @@
-"""Verified refit: tensor digests and the probe (molt.engines.probe).
+"""Verified refit: tensor digests and the probe (molt.refit).
 
 The probe checks on literal values; the transformers engine on a tiny model (a refit
 that does not reach the model, identical weights); the vLLM engine of the session
@@ -22,9 +22,10 @@ import torch
 
 from molt.engines.base import SamplingParams
 from molt.engines.hf import TransformersEngine
-from molt.engines.probe import Probe, check_probe, check_probe_changed, policy_probe, probe_token_ids
-from molt.engines.weights import apply_weight_record, publish_weights, tensor_digest
+from molt.engines.refit import apply_weight_record
+from molt.refit import Probe, check_probe, check_probe_changed, probe_token_ids, tensor_digest
 from molt.train.model import export_names, load_policy
+from molt.train.publish import policy_probe, publish_weights
 
 log = logging.getLogger(__name__)
 VOCAB = 49152  # SmolLM2's, also the tiny model's
@@ -120,7 +121,7 @@ class FakeWeightsPort:
 
 
 def test_a_refit_whose_file_a_newer_version_replaced_takes_the_newer_one(tiny_chat_model, tmp_path):
-    from molt.engines.weights import refit_from
+    from molt.engines.refit import refit_from
 
     engine = TransformersEngine(str(tiny_chat_model))
     v1 = export(tiny_chat_model, tmp_path / "v1.safetensors", 1, norm_scale=1.5)
@@ -135,7 +136,7 @@ def test_a_refit_whose_file_a_newer_version_replaced_takes_the_newer_one(tiny_ch
 
 
 def test_a_pinned_weights_file_stays_readable_when_its_writer_deletes_it(tiny_chat_model, tmp_path):
-    from molt.engines.weights import pinned
+    from molt.engines.refit import pinned
 
     engine = TransformersEngine(str(tiny_chat_model))
     v1 = export(tiny_chat_model, tmp_path / "v1.safetensors", 1, norm_scale=1.5)
@@ -257,7 +258,7 @@ def test_a_vllm_refit_that_does_not_reach_the_model_is_caught_by_the_probe(vllm_
 _TRIM_CHILD = """
 import os
 import torch
-from molt.engines.weights import release_freed_memory
+from molt.memory import release_freed_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:

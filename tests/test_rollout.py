@@ -159,7 +159,7 @@ def test_a_corrupted_refit_is_detected_naming_the_tensor(tiny_chat_model, tmp_pa
     import torch
     from safetensors.torch import load_file, save_file
 
-    from molt.engines.weights import apply_weight_record, file_digests
+    from molt.engines.refit import apply_weight_record, file_digests
 
     weights = load_file(str(tiny_chat_model / "model.safetensors"))
     sent = file_digests(str(tiny_chat_model / "model.safetensors"))
@@ -339,10 +339,10 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
     import pyarrow as pa
 
     import stages.rollout as rollout_stage
-    from molt.engines.weights import publish_weights
     from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
     from molt.stage import StageContext
     from molt.train.model import export_names, load_policy
+    from molt.train.publish import publish_weights
 
     monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed: Streaming(model_dir))
     model = load_policy(tiny_chat_model, temperature=1.0)
@@ -404,10 +404,10 @@ def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_rest
     import pyarrow as pa
 
     import stages.rollout as rollout_stage
-    from molt.engines.weights import publish_weights
     from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
     from molt.stage import StageContext
     from molt.train.model import export_names, load_policy
+    from molt.train.publish import publish_weights
 
     started = []
 

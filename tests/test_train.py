@@ -303,7 +303,8 @@ def test_the_export_has_exactly_the_model_folders_names_and_loads_into_the_engin
     from safetensors.torch import save_file
 
     from molt.engines.hf import TransformersEngine
-    from molt.engines.weights import file_digests, verify_refit
+    from molt.engines.refit import file_digests
+    from molt.refit import verify_refit
 
     _, weights = train_once(tiny_chat_model, step_batch(random_groups()))
     with safe_open(str(tiny_chat_model / "model.safetensors"), "pt") as handle:
@@ -332,14 +333,12 @@ def rl_pipeline(model, world_size):
             # two param groups through checkpoints and re-sharding; scale 1 keeps the updates bit-comparable
             # across world sizes (at 2.0 one weight of layer 0 differed by 1.3e-6 between 1 and 2 ranks)
             "optim": {"lr": 1e-3, "lr_scale": {"layers.0": 1.0}}}},
-        "broadcast": {"class": "stages.broadcast.Broadcast", "colocate_with": "train"},
         "sink": {"class": SINK}},
         "edges": [{"from": "source", "to": "rollout.in"}, {"from": "rollout", "to": "reward"},
                   {"from": "reward", "to": "shape"},
                   {"from": "shape", "to": "advantage"}, {"from": "advantage", "to": "pack"},
-                  {"from": "pack", "to": "train"}, {"from": "train", "to": "broadcast"},
-                  {"from": "broadcast.out", "to": "sink", "record": True},
-                  {"from": "broadcast.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]}
+                  {"from": "pack", "to": "train"}, {"from": "train.out", "to": "sink", "record": True},
+                  {"from": "train.weights", "to": "rollout.weights", "kind": "broadcast", "feedback": True}]}
 
 
 @pytest.mark.timeout(180)  # the deadlock it guards against would otherwise hang until the default 600 s
@@ -365,26 +364,24 @@ def with_evaluation(spec, model):
         "model": str(model), "engine": {"type": "transformers"}, "max_new_tokens": 4,
         "task": {"type": "arithmetic", "split": "eval", "num_problems": 8}}}
     spec["stages"]["eval_sink"] = {"class": SINK}
-    spec["edges"] += [{"from": "broadcast.weights", "to": "evaluate.weights", "kind": "broadcast"},
+    spec["edges"] += [{"from": "train.weights", "to": "evaluate.weights", "kind": "broadcast"},
                       {"from": "evaluate", "to": "eval_sink", "record": True}]
     return spec
 
 
-def test_an_evaluation_can_take_its_weights_from_a_second_broadcast_stage(tiny_chat_model, tmp_path, no_orphans):
-    """As pipelines/gsm8k_gpu.yaml does when the rollout's refits go over NCCL: a second broadcast
-    fused into the train stage, fed by its own edge, publishes every 2nd version as a file."""
+def test_an_evaluation_can_take_its_weights_from_a_second_output_of_the_trainer(tiny_chat_model, tmp_path, no_orphans):
+    """As pipelines/gsm8k_gpu.yaml does when the rollout's refits go over NCCL: the trainer publishes
+    every 2nd version as a file on a second output (publish.eval_weights)."""
     spec = with_evaluation(rl_pipeline(tiny_chat_model, 1), tiny_chat_model)
-    spec["stages"]["eval_broadcast"] = {"class": "stages.broadcast.Broadcast", "colocate_with": "train",
-                                        "config": {"every_steps": 2, "keep_versions": 1}}
-    spec["stages"]["eval_broadcast_sink"] = {"class": SINK}
+    spec["stages"]["train"]["config"]["publish"] = {"weights": {}, "eval_weights": {"every_steps": 2,
+                                                                                    "keep_versions": 1}}
     spec["edges"] = [e for e in spec["edges"] if e["to"] != "evaluate.weights"] + [
-        {"from": "train", "to": "eval_broadcast"}, {"from": "eval_broadcast.out", "to": "eval_broadcast_sink"},
-        {"from": "eval_broadcast.weights", "to": "evaluate.weights", "kind": "broadcast"}]
+        {"from": "train.eval_weights", "to": "evaluate.weights", "kind": "broadcast"}]
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 0, summary.get("error")
     evals = [r["policy_version"] for b in read_batches(tmp_path / "run" / "record" / "evaluate.out--eval_sink.in")
              for r in b.to_pylist()]
-    assert evals == [0, 2], "the initial weights, then the second broadcast's only version"
+    assert evals == [0, 2], "the initial weights, then the second output's only version"
     assert summary["metrics"]["rollout/refit_seconds"] >= 0 and summary["metrics"]["train/policy_version"] == 2
 
 
@@ -402,7 +399,7 @@ def test_the_rl_loop_trains_publishes_refits_and_evaluates_through_the_real_runn
         p = r["accuracy"]
         assert r["num_problems"] == 8 and r["accuracy_stderr"] == pytest.approx((p * (1 - p) / 8) ** 0.5)
     assert summary["metrics"]["evaluate/accuracy_baseline"] == evals[0]["accuracy"]
-    steps = [r for b in read_batches(tmp_path / "run" / "record" / "broadcast.out--sink.in") for r in b.to_pylist()]
+    steps = [r for b in read_batches(tmp_path / "run" / "record" / "train.out--sink.in") for r in b.to_pylist()]
     assert [r["step"] for r in steps] == [0, 1] and [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["max_lag"] <= 1 and r["num_rows"] == 4 and r["grad_norm"] > 0 for r in steps)
     assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"

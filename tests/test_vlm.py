@@ -299,10 +299,11 @@ def test_vllm_and_the_trainer_agree_on_image_conditioned_tokens_and_routing(vllm
 
 
 def test_a_vlm_refit_is_verified_and_serves_the_trained_weights(vllm_session, vlm_engine, tiny_vlm):
-    from molt.engines.probe import policy_probe, probe_token_ids
-    from molt.engines.weights import apply_weight_record, publish_weights
+    from molt.engines.refit import apply_weight_record
+    from molt.refit import probe_token_ids
     from molt.train import OptimConfig, full_state_dict, load_policy, train_step
     from molt.train.optim import make_optimizer
+    from molt.train.publish import policy_probe, publish_weights
     from molt.train.step import ObjectiveConfig
 
     loop = vllm_session[0]

@@ -263,7 +263,7 @@ class Engine(abc.ABC):
     @property
     def streams_weights(self) -> bool:
         """True when refits come streamed (`receive_weights`): the trainer's send then waits
-        for this engine, so its stage must take every version until the broadcast ends."""
+        for this engine, so its stage must take every version until the trainer's weights output ends."""
         return False
 
     async def receive_weights(self, record: dict[str, Any]) -> None:
@@ -275,7 +275,7 @@ class Engine(abc.ABC):
             ValueError: here, for an engine that loads files only.
         """
         raise ValueError(f"weight record v{record['policy_version']} comes over {record['format']!r}, but "
-                         f"{type(self).__name__} loads files only; hint: use the broadcast's transport {{type: shm}}")
+                         f"{type(self).__name__} loads files only; hint: publish with transport {{type: shm}} (molt.train.publish)")
 
     @abc.abstractmethod
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -283,7 +283,7 @@ class Engine(abc.ABC):
 
         ``log_softmax(logits(token_ids[:t]))[token_ids[t]]`` for t = 1..P-1, at
         temperature 1 with no processing, under the current weights; never from a
-        prefix cache. The refit probe (molt.engines.probe) compares it with the
+        prefix cache. The refit probe (molt.refit) compares it with the
         trainer's.
         """
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine
 from molt.policy import Precision, policy_field
-from molt.engines.transport import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
+from molt.refit import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
 
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
                                          "instead of slicing each expert (vLLM's expert parallelism)")
     transport: TransportConfig = Field(
         default_factory=ShmTransport, description="how refits arrive: {type: shm} (files) or {type: nccl} "
-        "(vLLM's weight-transfer API; CUDA; the broadcast stage's transport must match; molt.engines.transport)")
+        "(vLLM's weight-transfer API; CUDA; the trainer's publish transport must match; molt.refit)")
 
 
 def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", replica: int = 0,

@@ -37,8 +37,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
-from molt.engines.weights import check_weights_file, checkpoint_layout, checkpoint_shapes, tensor_digest
+from molt.engines.refit import check_weights_file
+from molt.models.layout import checkpoint_layout, checkpoint_shapes
 from molt.multimodal import VisionProcessor, mrope_positions
+from molt.refit import tensor_digest
 from molt.seeds import derive_seed
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ Unverified: not yet run on a GPU; written against the installed vLLM 0.32 source
 (https://docs.vllm.ai/en/v0.32.0/training/weight_transfer/). The engine side runs on
 CPU with a file-backed test backend through the same calls (tests/test_gpu_refit.py).
 
-The weight-version record is the control plane (molt.engines.transport); NCCL's
+The weight-version record is the control plane (molt.refit); NCCL's
 collectives make both sides meet. Version v, trainer rank 0 = NCCL rank 0:
 
-    trainer (broadcast stage, rank 0)          engine (rollout stage, VLLMEngine)
+    trainer (train stage, rank 0)              engine (rollout stage, VLLMEngine)
     1) state dict; record (digests, probe, uri, tensor_dtypes/shapes) on `weights`
                                                2) probe before; pause (mode "keep")
     3) NCCLSender.send: first vLLM's           3) TransferReceiver.receive: first
@@ -43,10 +43,9 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from molt.engines.transport import (NCCLTransport, master_address, tensor_layout, transfer_uri, update_info,
-                                   worker_init_info)
 from molt.engines.vllm_worker import MoltWorkerExtension, tied_unloaded_layers
-from molt.engines.weights import tensor_digest
+from molt.refit import (NCCLTransport, master_address, tensor_digest, tensor_layout, transfer_uri, update_info,
+                        worker_init_info)
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
@@ -80,7 +79,7 @@ class RecordDrivenClient:
 
 
 class NCCLSender:
-    """The trainer's end (train rank 0, in the broadcast stage). Unverified on a GPU. ``device``
+    """The trainer's end (train rank 0, molt.train.publish). Unverified on a GPU. ``device``
     defaults to the current CUDA device, read here: the send runs on a thread that starts on 0."""
 
     def __init__(self, transport: NCCLTransport, device: torch.device | None = None) -> None:
@@ -144,7 +143,7 @@ class NCCLSender:
 
 class TransferReceiver:
     """The engine's end: joins the trainer's group on the first record (its first worker at NCCL
-    rank ``rank_offset``, molt.engines.transport.rank_offset), then takes each version;
+    rank ``rank_offset``, molt.refit.rank_offset), then takes each version;
     ``digest``: digest every received tensor (module docstring)."""
 
     def __init__(self, rank_offset: int = 1, workers_per_engine: int = 1, digest: bool = True) -> None:
@@ -217,7 +216,7 @@ class MoltTransferWorkerExtension(MoltWorkerExtension):
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None:
             raise RuntimeError("vLLM was started without weight_transfer_config; hint: start the engine "
-                               "with the rollout's engine.transport set to the broadcast's transport type")
+                               "with the rollout's engine.transport set to the trainer's publish transport type")
         model: nn.Module = engine.model
         consumed: dict[str, str] = {}
         self._molt_watch = (model, consumed, digest, time.perf_counter())

@@ -5,7 +5,7 @@ refit in flight with `EngineDeadError` (`Engine.tracked`). Each group that faile
 `EngineRestarter.restart` with the restart generation it ran under (a refit that failed so calls
 it itself); the first call closes the dead engine, starts a new one (as at setup) and brings it to
 the newest weight record the dead one held or was loading, by a verified refit (or to a newer one
-waiting; molt.engines.weights); the other calls wait for it. Then each group is run again whole:
+waiting; molt.engines.refit); the other calls wait for it. Then each group is run again whole:
 none of a failed attempt's rows was sent, so no sample is lost or duplicated, and the new tokens
 carry the version they are generated with, never older than at admission (``max_staleness``
 holds). More than ``max`` restarts within ``window_s`` seconds fail the run, naming the last cause.
@@ -41,7 +41,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine, EngineDeadError, T
-from molt.engines.weights import refit_from
+from molt.engines.refit import refit_from
 from molt.metrics import MetricsWriter
 
 class RestartConfig(BaseModel):
@@ -79,7 +79,7 @@ class EngineRestarter:
         during the refit is restarted here, with the record it was loading.
 
         Raises:
-            RuntimeError: a failed refit (molt.engines.weights), or from `restart`.
+            RuntimeError: a failed refit (molt.engines.refit), or from `restart`.
         """
         self._watch()
         if self.port is None or engine is None and self.restarting:

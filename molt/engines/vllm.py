@@ -18,7 +18,7 @@ Refit, at a safe point between decode steps:
      returns a digest per tensor (kept in `last_weight_digests`), then
      repacks layers whose weights are tied to a reloaded one (the lm_head);
      or (`receive_weights`, format "nccl") its `WeightTransfer` receiver takes the
-     trainer's broadcast, digested alike (molt.engines.nccl_transfer; unverified on GPUs);
+     trainer's rank 0, digested alike (molt.engines.nccl_transfer; unverified on GPUs);
   3) label later engine outputs with the new version (vLLM tracks the label
      per output token and returns spans, which become `policy_versions`);
   4) clear the prefix cache if nothing is in flight (and a VLM's encoder cache of image
@@ -51,11 +51,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from safetensors import safe_open
 
-from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
-from molt.engines.base import EngineDeadError as MoltEngineDead
-from molt.engines.transport import check_covers
-from molt.engines.weights import check_weights_file, file_digests
+from molt.engines.base import (Completion, Engine, EngineDeadError as MoltEngineDead, FinishReason, SamplingParams,
+                               check_prompt)
+from molt.engines.refit import check_weights_file, file_digests
 from molt.multimodal import VisionProcessor, decode_images
+from molt.refit import check_covers
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -337,7 +337,7 @@ class VLLMEngine(Engine):
         if self._transfer is None or record["format"] != self._transfer.backend:
             takes = "files only" if self._transfer is None else repr(self._transfer.backend)
             raise ValueError(f"weight record v{record['policy_version']} comes over {record['format']!r}, but this "
-                             f"engine takes {takes}; hint: set the engine's transport to the broadcast stage's")
+                             f"engine takes {takes}; hint: set the engine's transport to the trainer's publish transport (molt.train.publish)")
         check_covers(self._checkpoint_names, record)
         receiver = self._transfer.receiver
         await self._refit(int(record["policy_version"]), record["uri"], lambda llm: receiver.receive(llm, record))

@@ -42,8 +42,9 @@ import time
 from safetensors import safe_open
 from torch import nn
 
+from molt.engines.refit import iter_weights
 from molt.engines.vllm_routing import RoutingRecorder
-from molt.engines.weights import iter_weights, release_freed_memory
+from molt.memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class MoltWorkerExtension:
         for layer in tied_unloaded_layers(model, names):
             layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
         repack_cpu_experts(model)
-        release_freed_memory()  # the reload's copies (molt.engines.weights)
+        release_freed_memory()  # the reload's copies (molt.memory)
         seconds = time.perf_counter() - start
         logger.info("molt: reloaded weights from %s in %.2f s", path, seconds)
         return {"digests": digests, "seconds": seconds}

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt.engines.weights import checkpoint_layout, checkpoint_shapes, release_freed_memory
+from molt.memory import release_freed_memory
+from molt.models.layout import checkpoint_layout, checkpoint_shapes
 from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions
-from molt.train.attention import NAME as PACKED_SDPA
-from molt.train.attention import register as register_packed_sdpa
-from molt.train.attention import row_lengths, supports_packed_sdpa
+from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
+                                  supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
 from molt.train.moe import RouterHooks, fp32_router_policy, routers
 from molt.train.packing import PackedSequence

@@ -35,6 +35,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,7 +45,7 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
-from molt.engines.weights import release_freed_memory
+from molt.memory import release_freed_memory
 from molt.multimodal import VisionInputs, packed_vision_inputs, row_images
 from molt.schema import make_schema
 from molt.train.moe import RouterHooks, load_metrics, packed_engine_routing
@@ -132,6 +133,13 @@ def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | No
                              "must match the train and pack stages'")
         worst = max(worst, lag)
     return worst
+
+
+def lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
+    """Sum over generated tokens (loss_mask) of ``version - policy_version``, and their count."""
+    versions = pc.list_flatten(batch.column("policy_version")).to_numpy(zero_copy_only=False)
+    mask = pc.list_flatten(batch.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
+    return float((version - versions[mask]).sum()), int(mask.sum())
 
 
 def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig,

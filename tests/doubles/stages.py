@@ -13,9 +13,9 @@ from typing import ClassVar
 import pyarrow as pa
 from pydantic import Field
 
+from molt.edges import Barrier
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig, Transform
-from molt.edges import Barrier
 
 COUNT_FIELD = pa.field("group_total", pa.int64())
 
@@ -302,7 +302,7 @@ class SlowTrainer(Service):
     outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in"), "weights": Port(schema=WEIGHT_VERSION_SCHEMA)}
 
     async def run(self) -> None:
-        from molt.engines.weights import file_digests
+        from molt.engines.refit import file_digests
 
         digests = file_digests(self.config.weights_path)
         step, groups = 0, []
