@@ -27,7 +27,7 @@ from pathlib import Path
 
 from vs_trl import molt_side
 
-SYNC = ("stages.rollout.config.max_staleness=0", "stages.train.config.max_staleness=0")
+SYNC = ("policy.max_staleness=0",)
 SHARED = ("stages.rollout.cpus=0-1", "stages.train.cpus=0-1")
 RUNS = {"async": (), "async_shared": SHARED, "sync_pinned": SYNC, "sync_shared": (*SYNC, *SHARED)}
 

@@ -26,7 +26,7 @@ from pathlib import Path
 SHORT = [  # tests/test_quickstart.py's cut
     "stages.source.config.task.num_problems=8", "stages.source.config.prompts_per_batch=4",
     "stages.source.config.checkpoint_every_batches=1", "stages.rollout.config.group_size=4",
-    "stages.rollout.config.groups_per_step=4", "stages.pack.config.groups_per_step=4",
+    "policy.groups_per_step=4",
     "stages.evaluate.config.task.num_problems=16", "stages.evaluate.config.every_versions=1",
 ]
 

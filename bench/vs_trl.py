@@ -60,7 +60,7 @@ def summarise(step_end: list[float], step_tokens: list[float], rewards: list[flo
 
 def molt_side(steps: int, work: Path, overrides: tuple[str, ...] = ()) -> dict:
     """Run the quickstart minus evaluation for ``steps`` steps through the real runner,
-    with ``--set``-style ``overrides`` (e.g. ``stages.train.config.max_staleness=0``)."""
+    with ``--set``-style ``overrides`` (e.g. ``policy.max_staleness=0``)."""
     from molt.config import apply_override, load_yaml
     from molt.pipeline import Pipeline
     from molt.runner import Runner
@@ -184,7 +184,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="molt-vs-trl-") as tmp:
         work = Path(tmp)
         same = (f"stages.train.config.optim.lr={LR}", f"stages.rollout.config.max_new_tokens={MAX_NEW_TOKENS}",
-                f"stages.rollout.config.temperature={TEMPERATURE}", f"stages.train.config.temperature={TEMPERATURE}")
+                f"policy.temperature={TEMPERATURE}")
         molt = None if args.skip_molt else molt_side(args.steps, work, same)
         if molt:
             show("molt", molt)

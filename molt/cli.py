@@ -4,7 +4,7 @@
 ``molt sweep PIPELINE.yaml --seeds N [--set ...] [--out DIR] [--threshold KEY=VALUE [--lower-bound]]``
 ``molt compare A B --metric NAME [--margin M]``
 ``molt eval RUN_DIR | MODEL [--version V] [--task T ...] [--samples K [--temperature T]] [--num-problems N]``
-``molt graph PIPELINE.yaml``
+``molt graph PIPELINE.yaml [--resolved]``
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt replay RUN_DIR --from-step K [--set ...]``
 ``molt inspect FILE.arrow [--tokenizer MODEL] [--samples N]``
@@ -130,7 +130,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    print(Pipeline.from_yaml(args.pipeline, args.set).describe())
+    pipe = Pipeline.from_yaml(args.pipeline, args.set)
+    print(yaml.safe_dump(pipe.to_dict(), sort_keys=False) if args.resolved else pipe.describe())
     return 0
 
 
@@ -324,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     sweep = _statistics_commands(sub)
     graph = sub.add_parser("graph", help="print the validated DAG")
     graph.add_argument("pipeline", help="a pipeline YAML file")
+    graph.add_argument("--resolved", action="store_true", help="print the pipeline as it loads: its base merged, "
+                       "the policy: block's facts stated once (a run's pipeline.yaml)")
     replay = sub.add_parser("replay", help="re-run stages offline from a recorded edge")
     replay.add_argument("recording", help="a recorded .arrow file or folder (RUN_DIR/record/EDGE); with "
                         "--from-step, a run directory")

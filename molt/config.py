@@ -19,12 +19,48 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 
-def load_yaml(path: Path) -> dict[str, Any]:
-    """A YAML mapping from ``path``; duplicate keys are errors.
+def load_yaml(path: Path, _derived: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A pipeline's YAML mapping from ``path``; duplicate keys are errors.
+
+    A file may name a ``base:`` pipeline (a path relative to it) and state only what differs:
+    mappings merge key by key, recursively, unless their ``type`` differs (a task, grader or engine of
+    another type replaces the base's whole); any other value replaces the base's (so ``edges``, when
+    given, replace the base's list); a stage set to null is removed, with the base's edges
+    to or from it. Bases may have bases. Example: ``base: quickstart.yaml`` and ``policy: {model:
+    smollm2-135m-instruct-moe}`` is the quickstart with a MoE policy (``molt graph --resolved``).
 
     Raises:
-        ValueError: missing file, not UTF-8, invalid YAML, or not a mapping (naming the file).
+        ValueError: missing file, not UTF-8, invalid YAML, not a mapping, or bases that form a
+            circle (naming the file).
     """
+    data = _read_yaml(path)
+    if (base := data.pop("base", None)) is None:
+        return data
+    file = (path.parent / str(base)).resolve()
+    if file in (*_derived, path.resolve()):
+        raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a circle")
+    parent = load_yaml(file, (*_derived, path.resolve()))
+    from molt.requires import beside
+
+    beside(parent, file)  # the base's requires: from its own folder
+    gone = {sid for sid, stage in (data.get("stages") or {}).items() if stage is None}
+    merged = _merge(parent, data)
+    merged["stages"] = {sid: stage for sid, stage in merged.get("stages", {}).items() if sid not in gone}
+    if gone and "edges" not in data:
+        merged["edges"] = [e for e in merged.get("edges", []) if isinstance(e, dict) and not gone & {
+            str(e.get(end, "")).partition(".")[0] for end in ("from", "to")}]
+    return merged
+
+
+def _merge(base: Any, over: Any) -> Any:
+    """``over`` on top of ``base``: mappings of one ``type`` key by key, anything else replaced."""
+    if isinstance(base, dict) and isinstance(over, dict) and over.get("type", base.get("type")) == base.get("type"):
+        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in over.items()}}
+    return over
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping from ``path`` (the errors of `load_yaml`)."""
     if not path.is_file():
         raise ValueError(f"{path}: pipeline file not found")
     try:

@@ -135,7 +135,7 @@ class PipelineSpec(BaseModel):
                                      "another pipeline makes: model name -> that pipeline's YAML (relative to this "
                                      "file); molt run runs it first when the model is not in the cache (molt.requires)")
     policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
-                               description="what sampling and training agree on (molt.policy): precision, temperature")
+                               description="what sampling and training agree on, stated once (molt.policy)")
     stages: dict[str, StageSpec]
     edges: list[EdgeConfig] = Field(default_factory=list)
 
@@ -271,8 +271,8 @@ class Pipeline:
     def describe(self) -> str:
         """The resolved DAG as text (``molt graph``)."""
         spec = self.spec
-        lines = [f"pipeline {spec.name!r} ({self.source})", f"policy: precision {spec.policy.precision}, "
-                 f"temperature {spec.policy.temperature or 'as the stages state'}",
+        facts = spec.policy.model_dump(exclude_none=True, exclude={"weights"})
+        lines = [f"pipeline {spec.name!r} ({self.source})", "policy: " + ", ".join(f"{k} {v}" for k, v in facts.items()),
                  *[f"requires: {name} (made by {file})" for name, file in spec.requires.items()], "stages:"]
         for sid in self.topo_order():
             n = self.stages[sid]

@@ -1,20 +1,31 @@
 """The pipeline's ``policy:`` block: what the stages that sample from or train the policy agree on.
 
-    policy: {precision: float32, temperature: 0.8}
+    policy:
+      model: smollm2-135m-instruct           # rollout, train, evaluate and SFT records alike
+      precision: float32                      # trainer compute and engine sampling alike
+      temperature: 0.8                        # the rollout samples at it, the trainer scores at it
+      groups_per_step: 16                     # rollout admission and pack
+      max_staleness: 1                        # the trainer's bound; a rollout may admit more strictly
+      weights: {keep_versions: 1}             # how the trainer publishes its weights output (molt.refit)
 
-`check_group_filters` refuses a group filter under a staleness bound (``max_staleness``, a
-policy fact the rollout and trainer share) whose drops the rollout does not hear of. A stage
-config field declared with `policy_field` names the fact it holds. Where the YAML leaves it
-unset, it takes the block's value when the pipeline loads (`apply_policy`); where the YAML sets
-it (an override), the value is checked against the block:
+A stage config field declared with `policy_field` names the fact it holds. Where the YAML leaves
+it unset, it takes the block's value when the pipeline loads (`apply_policy`), or, where the block
+leaves the fact out, the value a stage states (so a fact stated once anywhere holds for all).
+Where the YAML sets it (an override), the value is checked, by the field's ``relation``:
 
-- ``temperature``: the trainer computes the logprobs of the distribution the engine sampled
-  from (``rollout_logprobs`` are after temperature), so every stated value must be the same;
-  a contradiction fails at load naming both keys. (A trainer at 1.0 against a rollout at 0.8
-  biases every importance ratio by about 10%.) Unstated everywhere, it is 1.0.
-- ``precision``: the trainer computes in the precision the engines sample in (DESIGN §10), so
-  an on-policy step has ratio 1 within fp32 tolerance. A stage set otherwise is the user's
+- ``equal`` (model, temperature, groups_per_step, the trainer's max_staleness, weights): every
+  stated value must be the same; a contradiction fails at load naming both keys. (A trainer's
+  temperature at 1.0 against a rollout at 0.8 biases every importance ratio by about 10%: the
+  trainer must compute the logprobs of the distribution the engine sampled from.)
+- ``at_most`` (the rollout's max_staleness): no looser than the agreed value (None = unbounded),
+  since the trainer refuses older tokens; a stricter admission is meaningful (replicas running
+  unevenly stay within the trainer's bound).
+- ``warn`` (precision): the trainer computes in the precision the engines sample in (DESIGN §10),
+  so an on-policy step has ratio 1 within fp32 tolerance. A stage set otherwise is the user's
   choice: allowed, and warned about at load with what it costs.
+
+`check_group_filters` refuses a group filter under a staleness bound whose drops the rollout does
+not hear of.
 
 Measured (the quickstart's first step, strictly on-policy, a 2-core Xeon with AMX): a bf16
 trainer against an fp32 engine logged |logprob diff| mean 0.027, max 0.39 and ratio max 1.38;
@@ -29,45 +40,57 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from molt.refit import PublishConfig
+
 if TYPE_CHECKING:
     from molt.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 Precision = Literal["float32", "bfloat16"]
+Fact = Literal["model", "precision", "temperature", "groups_per_step", "max_staleness", "weights"]
+Relation = Literal["equal", "at_most", "warn"]
 MISMATCH_COST = ("the trainer's logprobs then differ from the engine's (a bf16 trainer against an fp32 engine, "
                  "the quickstart's first on-policy step: |logprob diff| mean 0.027, max 0.39, ratio max 1.38 "
                  "instead of 1.0001), so keep a correction (TIS/IcePop) on")
 
 
 class PolicySpec(BaseModel):
-    """The ``policy:`` block of a pipeline (DESIGN §1, §10)."""
+    """The ``policy:`` block of a pipeline (DESIGN §1, §10); an unset fact is as the stages state it."""
 
     model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="local folder, hub id or built-in name the policy starts from")
     precision: Precision = Field(
         "float32", description="trainer compute and engine sampling alike; bfloat16 on GPUs (and CPUs with "
         "AVX512-BF16/AMX, unmeasured for learning); fp32 keeps an on-policy ratio at 1 within 1e-4")
     temperature: float | None = Field(None, gt=0, description="sampling temperature of the rollout engines and "
-                                      "the trainer's logprobs; None = as the stages state it (else 1.0)")
+                                      "the trainer's logprobs (else 1.0)")
+    groups_per_step: int | None = Field(None, ge=1, description="prompt groups per optimizer step")
+    max_staleness: int | None = Field(None, ge=0, description="policy versions a trained token may lag behind")
+    weights: PublishConfig | None = Field(None, description="how the trainer publishes its weights output")
 
 
-def policy_field(fact: Literal["precision", "temperature"], default: Any, **kwargs: Any) -> Any:
-    """A pydantic ``Field`` holding policy fact ``fact``: unset in the YAML, it takes the pipeline's
-    ``policy.<fact>``; set, it is checked against it (`apply_policy`)."""
-    return Field(default, json_schema_extra={"policy": fact}, **kwargs)
+def policy_field(fact: Fact, default: Any = None, relation: Relation | None = None, **kwargs: Any) -> Any:
+    """A pydantic ``Field`` holding policy fact ``fact``: unset in the YAML, it takes the agreed value;
+    set, it is checked against it by ``relation`` (default: warn for precision, else equal)."""
+    relation = relation or ("warn" if fact == "precision" else "equal")
+    if "default_factory" not in kwargs:
+        kwargs["default"] = default
+    return Field(json_schema_extra={"policy": fact, "relation": relation}, **kwargs)
 
 
-def _marked(config: BaseModel, where: str) -> Iterator[tuple[BaseModel, str, str, str]]:
-    """(model, field name, fact, YAML key) of every `policy_field` of ``config``, nested configs included."""
+def _marked(config: BaseModel, where: str) -> Iterator[tuple[BaseModel, str, str, str, str]]:
+    """(model, field name, fact, relation, YAML key) of every `policy_field` of ``config``, nested configs
+    included."""
     for name, field in type(config).model_fields.items():
         extra = field.json_schema_extra
         if isinstance(extra, dict) and "policy" in extra:
-            yield config, name, str(extra["policy"]), f"{where}.{name}"
+            yield config, name, str(extra["policy"]), str(extra["relation"]), f"{where}.{name}"
         elif isinstance(value := getattr(config, name), BaseModel):
             yield from _marked(value, f"{where}.{name}")
 
 
 def filled(config: BaseModel) -> dict[str, Any]:
-    """The `policy_field` s of ``config`` that took the block's value, as a ``model_dump`` ``exclude``:
+    """The `policy_field` s of ``config`` that took the agreed value, as a ``model_dump`` ``exclude``:
     a resolved pipeline (a run's ``pipeline.yaml``) states them once, in its ``policy:`` block."""
     out: dict[str, Any] = {}
     for name, field in type(config).model_fields.items():
@@ -81,41 +104,50 @@ def filled(config: BaseModel) -> dict[str, Any]:
 
 
 def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str) -> list[str]:
-    """Give every stage config's unset `policy_field` the block's value (stage id -> config, in place);
-    logs and returns one warning per stage whose precision differs from ``policy.precision``.
+    """Give every stage config's unset `policy_field` the agreed value (stage id -> config, in place):
+    the block's, else the first ``equal`` value a stage states; logs and returns one warning per stage
+    whose precision differs from ``policy.precision``.
 
-    Example: policy {precision: float32} and a train stage with ``compute_dtype: bfloat16``
-    -> ["...: stages.train.config.compute_dtype is bfloat16 but policy.precision is float32 ..."].
+    Example: policy {model: m, groups_per_step: 16} and a pack stage without groups_per_step -> 16;
+    a train stage with ``compute_dtype: bfloat16`` -> ["...: stages.train.config.compute_dtype is
+    bfloat16 but policy.precision is float32 ..."].
 
     Raises:
-        ValueError: two stated temperatures differ (``policy.temperature`` or a stage's), naming both keys.
+        ValueError: a stated value contradicts the agreed one (module docstring), naming both keys.
     """
     fields = [f for sid, c in configs.items() for f in _marked(c, f"stages.{sid}.config")]
-    stated = [(key, getattr(model, name)) for model, name, fact, key in fields
-              if fact == "temperature" and name in model.model_fields_set]
-    if policy.temperature is not None:
-        stated.insert(0, ("policy.temperature", policy.temperature))
-    for key, value in stated[1:]:
-        if value != stated[0][1]:
-            raise ValueError(f"{source}: {key} is {value} but {stated[0][0]} is {stated[0][1]}; the trainer's "
-                             "logprobs must be those of the distribution the rollout sampled from; hint: state "
-                             "it once, as policy.temperature, and remove the stages' keys")
-    agreed = {"temperature": stated[0][1] if stated else None, "precision": policy.precision}
     warnings = []
-    for model, name, fact, key in fields:
-        if name not in model.model_fields_set:
-            if agreed[fact] is not None:
+    for fact in Fact.__args__:  # type: ignore[attr-defined]
+        mine = [(model, name, rel, key) for model, name, f, rel, key in fields if f == fact]
+        stated = [(key, getattr(model, name), rel) for model, name, rel, key in mine if name in model.model_fields_set]
+        agreed: tuple[str, Any] | None = next(((key, v) for key, v, rel in stated if rel == "equal"), None)
+        if fact == "precision" or fact in policy.model_fields_set:
+            agreed = (f"policy.{fact}", getattr(policy, fact))
+        for key, value, rel in stated:
+            if agreed is None or key == agreed[0]:
+                continue
+            if rel == "warn" and value != agreed[1]:
+                warnings.append(f"{source}: {key} is {value} but {agreed[0]} is {agreed[1]}: {MISMATCH_COST}; "
+                                "hint: set policy.precision instead, for trainer and engines alike")
+                logger.warning(warnings[-1])
+            elif rel == "equal" and value != agreed[1] or rel == "at_most" and _looser(value, agreed[1]):
+                raise ValueError(f"{source}: {key} is {value} but {agreed[0]} is {agreed[1]}"
+                                 f"{' (a rollout may admit only more strictly)' if rel == 'at_most' else ''}; "
+                                 f"hint: state it once, as policy.{fact}, and remove the stages' keys")
+        for model, name, _, key in mine:
+            if name not in model.model_fields_set and agreed is not None and agreed[1] is not None:
                 try:  # the field's own bounds hold (a rollout may sample at 0, a trainer may not)
-                    model.__pydantic_validator__.validate_assignment(model, name, agreed[fact])
+                    model.__pydantic_validator__.validate_assignment(model, name, agreed[1])
                 except ValidationError as e:
-                    raise ValueError(f"{source}: {key}: {e.errors()[0]['msg']}; got {agreed[fact]!r} from "
-                                     f"{'policy.' + fact if fact == 'precision' else stated[0][0]}") from None
-                model.model_fields_set.discard(name)  # the block's value, not the stage's (`filled`)
-        elif fact == "precision" and getattr(model, name) != policy.precision:
-            warnings.append(f"{source}: {key} is {getattr(model, name)} but policy.precision is {policy.precision}: "
-                            f"{MISMATCH_COST}; hint: set policy.precision instead, for trainer and engines alike")
-            logger.warning(warnings[-1])
+                    raise ValueError(f"{source}: {key}: {e.errors()[0]['msg']}; got {agreed[1]!r} from "
+                                     f"{agreed[0]}") from None
+                model.model_fields_set.discard(name)  # the agreed value, not the stage's (`filled`)
     return warnings
+
+
+def _looser(bound: int | None, limit: int | None) -> bool:
+    """Whether staleness bound ``bound`` admits more than ``limit`` (None: unbounded)."""
+    return limit is not None and (bound is None or bound > limit)
 
 
 def check_group_filters(pipe: Pipeline) -> None:

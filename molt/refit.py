@@ -113,6 +113,21 @@ AnyTransport = ShmTransport | NCCLTransport | IPCTransport
 TransportConfig = Annotated[AnyTransport, Field(discriminator="type")]
 
 
+class PublishConfig(BaseModel):
+    """How the trainer publishes its weights on one output (molt.train.publish; policy.weights)."""
+
+    model_config = ConfigDict(extra="forbid")
+    every_steps: int = Field(1, ge=1, description="publish after every k-th step (policy_version % k == 0)")
+    dir: str | None = Field(None, description="folder for the weight files; None: the run's scratch folder "
+                            "in shared memory (molt.stage.scratch_folder), which outlives the trainer")
+    keep_versions: int = Field(2, ge=1, description="newest weight files kept")
+    probe_tokens: int = Field(32, ge=0, description="length P of the refit probe (below); < 2 = none")
+    probe_atol: float | None = Field(None, gt=0, description="largest |engine - trainer| probe logprob "
+                                     "accepted; None: 1e-3 for an fp32 trainer forward, 1.0 for bf16")
+    transport: TransportConfig = Field(default_factory=ShmTransport, description="{type: shm}: a safetensors "
+                                       "file in dir; {type: nccl}: vLLM's weight-transfer API (module docstring)")
+
+
 def check_transport(transport: AnyTransport, where: str, cuda_available: bool | None = None) -> None:
     """Refuse (ValueError naming ``{where}.type``, ``where`` being the YAML path of the transport)
     ``nccl``/``ipc`` without CUDA (default: ``torch.cuda.is_available()``), and ``ipc`` (not wired)."""

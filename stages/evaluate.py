@@ -44,6 +44,7 @@ from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
 from molt.engines.refit import apply_weight_record
 from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
+from molt.policy import policy_field
 from molt.stage import Port, Service, scratch_folder
 
 
@@ -51,7 +52,8 @@ class Evaluate(Service):
     """Weight-version records in; one evaluation row out per evaluated version and task."""
 
     class Config(EvaluationConfig):
-        model: str = Field("smollm2-135m-instruct", description="the policy's initial model (as the rollout's)")
+        model: str = policy_field("model", "smollm2-135m-instruct", description="the policy's initial model "
+                                  "(molt.policy: policy.model)")
         engine: EngineConfig = Field(default_factory=EngineConfig)
 
     config: Config

@@ -42,10 +42,11 @@ from pydantic import Field
 
 from molt.checkpoint import read_replica_state
 from molt.columns import row_lengths
+from molt.edges import Barrier
 from molt.multimodal import row_images
+from molt.policy import policy_field
 from molt.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens
-from molt.edges import Barrier
 
 STEP_FIELDS = (
     pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step this row trains in"}),
@@ -60,7 +61,8 @@ class Pack(Service):
     """Groups in, one placed step batch out per ``groups_per_step`` groups."""
 
     class Config(StageConfig):
-        groups_per_step: int = Field(ge=1, description="prompt groups per optimizer step (= rollout's)")
+        groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="prompt groups per optimizer "
+                                            "step (molt.policy: policy.groups_per_step)")
         world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage")
         max_tokens_per_micro_batch: int = Field(4096, ge=1, description="token budget of one packed forward")
         flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")

@@ -44,7 +44,7 @@ class Rollout(Service):
     """Prompts in, whole groups of token-exact trajectory rows out."""
 
     class Config(StageConfig):
-        model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
+        model: str = policy_field("model", "smollm2-135m-instruct", description="molt.policy: policy.model")
         engine: EngineConfig = Field(default_factory=EngineConfig)
         group_size: int = Field(4, ge=1, description="rollouts per prompt (n)")
         temperature: float = policy_field("temperature", 1.0, ge=0, description="molt.policy: policy.temperature")
@@ -54,8 +54,8 @@ class Rollout(Service):
         agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
         max_turns: int = Field(1, ge=1, description="policy turns per rollout (env/agent); more is cut")
         max_concurrent_groups: int = Field(8, ge=1)
-        max_staleness: int | None = Field(None, ge=0, description="None = unbounded")
-        groups_per_step: int = Field(8, ge=1, description="groups the trainer takes per step")
+        max_staleness: int | None = policy_field("max_staleness", None, "at_most", ge=0, description="None = unbounded")
+        groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="groups a step; replicas: a share each")
         weights_input: bool = Field(False, description="listen for new weights on 'weights'")
         drops_input: bool = Field(False, description="listen on 'drops' for groups a filter downstream dropped")
         engine_restarts: RestartConfig = Field(default_factory=RestartConfig, description="molt.engines.restart")
@@ -89,7 +89,8 @@ class Rollout(Service):
                                  c.max_concurrent_groups * c.group_size) if self.agent_cls else None
         self.restarter.holders = [self, *filter(None, [self.server])]  # they take a restarted engine
         self.schema = make_schema(resolve_fields(self.ports(c)[1]["out"].writes, "Rollout"), "trajectory")
-        self.admission: GroupAdmission[pa.RecordBatch] = GroupAdmission(c.groups_per_step, c.max_staleness)
+        self.admission = GroupAdmission[pa.RecordBatch](c.groups_per_step, c.max_staleness, self.ctx.num_replicas,
+                                                        f"{where}.groups_per_step (policy.groups_per_step)")
         self.first_failure = ""  # the first rollout error
         self.first_admit_s: float | None = None  # when the first group started (generation throughput)
         if (c.env or c.agent) and c.max_turns == 1:
@@ -139,7 +140,7 @@ class Rollout(Service):
     def _check_failures(self, end: bool = False) -> None:
         """Fail when no rollout succeeded (after a step's worth of lost groups, or at the end); log throughput."""
         counts, lost = self.metrics.counters, self.admission.num_lost
-        if self.first_failure and not counts.get("rows_out") and (end or lost >= self.config.groups_per_step):
+        if self.first_failure and not counts.get("rows_out") and (end or lost >= self.admission.groups_per_step):
             raise RuntimeError(f"every rollout failed ({counts['rollouts_failed']:.0f}, {lost} groups lost), e.g. "
                                f"{self.first_failure}; see the warnings above")
         if end and self.first_admit_s is not None:
@@ -147,8 +148,7 @@ class Rollout(Service):
             self.metrics.log({"generate_seconds": wall, "generated_tokens_per_s": counts["tokens_generated"] / wall})
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.admission.state_dict(), **self.evaluator.state_dict(),
-                "policy_version": self.engine.policy_version}
+        return {**self.admission.state_dict(), **self.evaluator.state_dict(), "policy_version": self.engine.policy_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admission.load_state_dict(state)

@@ -28,6 +28,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from molt.agents import ChatTemplate
+from molt.policy import policy_field
 from molt.schema import batch_from_rows, make_schema, resolve_fields
 from molt.stage import Port, StageConfig, Transform
 
@@ -39,7 +40,8 @@ class SFTRecords(Transform):
     """Prompt rows in, one prompt/response trajectory row out per prompt."""
 
     class Config(StageConfig):
-        model: str = Field("smollm2-135m-instruct", description="its chat template and image processor are used")
+        model: str = policy_field("model", "smollm2-135m-instruct", description="its chat template and image "
+                                  "processor are used (molt.policy: policy.model)")
         response_field: str = Field("answer", description="task field holding the demonstration text")
         max_tokens: int = Field(2048, ge=2, description="longest row (prompt + response + EOS), tokens")
 

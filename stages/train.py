@@ -9,21 +9,17 @@ warmup/decay schedule. Before a step, every generated token's ``policy_version``
 checked against ``max_staleness``; a violation stops the run naming the sample.
 
 After each step it publishes the new version (molt.train.publish: on every rank, as the gather and
-the probe are collectives) on each subscribed output of ``publish`` where due (default: ``weights``,
-every step), logs one line (``step 12  loss 0.41  reward 0.62 ... export 0.25s  mem 3.1GB``; a
+the probe are collectives) on ``weights`` and each further ``publish`` output, where subscribed and
+due, logs one line (``step 12  loss 0.41  reward 0.62 ... export 0.25s  mem 3.1GB``; a
 warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop the run),
 writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and ranks; the
 collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a step record on ``out``.
 Checkpoint (molt.train.state): every rank saves the full model (a HF folder), AdamW and RNG state
 at a barrier; a resumed trainer restores them and publishes the restored version first.
 
-    train:
-      class: stages.train.Train
-      world_size: 2
-      config: {model: smollm2-135m-instruct, max_staleness: 1, policy_loss: {type: ppo, clip_high: 0.28},
-               optim: {lr: 1.0e-6}}   # temperature and compute_dtype: the pipeline's policy block
-    edges:
-      - {from: train.weights, to: rollout.weights, kind: broadcast, feedback: true}
+    train: {class: stages.train.Train, world_size: 2, config: {policy_loss: {type: ppo, clip_high: 0.28},
+            optim: {lr: 1.0e-6}}}   # model, temperature, precision, max_staleness, weights: the policy block
+    edges: [{from: train.weights, to: rollout.weights, kind: broadcast, feedback: true}, ...]
 """
 
 from __future__ import annotations
@@ -61,10 +57,12 @@ class Train(Service):
     """Step batches in; one step record out per optimizer step, weight records on each ``publish`` output."""
 
     class Config(StageConfig, ObjectiveConfig):
-        model: str = Field("smollm2-135m-instruct", description="local folder, hub id or built-in name")
+        model: str = policy_field("model", "smollm2-135m-instruct", description="local folder, hub id or built-in "
+                                  "name (molt.policy: policy.model)")
         temperature: float = policy_field("temperature", 1.0, gt=0, description="the rollout's sampling "
                                           "temperature (molt.policy: policy.temperature)")
-        max_staleness: int | None = Field(None, ge=0, description="refuse older tokens; None = unchecked")
+        max_staleness: int | None = policy_field("max_staleness", None, ge=0, description="refuse older tokens; "
+                                                 "None = unchecked (policy.max_staleness)")
         compute_dtype: Precision = policy_field("precision", "float32", description="FSDP2 compute dtype; master "
                                                 "weights, reduction and AdamW stay fp32 (molt.policy: policy.precision)")
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
@@ -77,9 +75,10 @@ class Train(Service):
         seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.seeds)")
         optim: OptimConfig = Field(default_factory=OptimConfig)
         collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="molt.train.collapse")
-        publish: dict[str, PublishConfig] = Field(
-            default_factory=lambda: {"weights": PublishConfig()}, description="output -> how the weights are "
-            "published on it when subscribed (molt.train.publish); e.g. a second output for an evaluation")
+        weights: PublishConfig = policy_field("weights", default_factory=PublishConfig, description="how the "
+                                              "weights output publishes (molt.train.publish; policy.weights)")
+        publish: dict[str, PublishConfig] = Field(default_factory=dict, description="further outputs publishing the "
+                                                  "weights, e.g. eval_weights: files for an evaluation")
 
     config: Config
 
@@ -89,10 +88,10 @@ class Train(Service):
         reads = tuple(c for c in STEP_READS if config.policy_loss.type != "sft" or c not in SFT_UNREAD) + PACK_READS \
             + (("ref_logprobs",) * (config.kl is not None)) + (("routed_experts",) * bool(
                 config.routing_replay or config.routing_replay_compare))
-        if "out" in config.publish:
-            raise ValueError("publish.out: 'out' carries the step records; name the weights output otherwise")
+        if taken := {"out", "weights"} & set(config.publish):
+            raise ValueError(f"publish.{taken.pop()}: an output of its own; name the further output otherwise")
         return {"in": Port(reads=reads)}, {"out": Port(schema=STEP_SCHEMA), **{
-            port: Port(schema=WEIGHT_VERSION_SCHEMA, optional=True) for port in config.publish}}
+            port: Port(schema=WEIGHT_VERSION_SCHEMA, optional=True) for port in ("weights", *config.publish)}}
 
     def setup(self) -> None:
         from molt.models import resolve_model
@@ -111,8 +110,9 @@ class Train(Service):
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False
         self.watch = CollapseWatch(c.collapse, key)
-        self.publishers = {port: Publisher(c.publish[port], self.model, self.ctx.rank, f"{key}.publish.{port}")
-                           for port in c.publish if port in self.ctx.subscribed}
+        self.publishers = {port: Publisher(cfg, self.model, self.ctx.rank, f"{key}.{where}") for port, cfg, where in
+                           [("weights", c.weights, "weights")] + [(p, v, f"publish.{p}") for p, v in c.publish.items()]
+                           if port in self.ctx.subscribed}
 
     async def run(self) -> None:
         if self.resumed:  # engines get the restored weights before any new rollout

@@ -194,7 +194,7 @@ def stubbed_nccl(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer import nccl_engine
 
-    import molt.engines.nccl_transfer as nt
+    import molt.train.nccl_send as nt
 
     broadcast: list[tuple[str, torch.Tensor]] = []
     CapturingClient.calls = []
@@ -209,7 +209,7 @@ def stubbed_nccl(monkeypatch):
 
 
 def test_what_vllms_trainer_would_ship_equals_what_the_record_tells_the_engines(stubbed_nccl):
-    from molt.engines.nccl_transfer import NCCLSender
+    from molt.train.nccl_send import NCCLSender
 
     t = nccl(master_port=29600, buffer_mib=8)
     sender = NCCLSender(t, device=torch.device("cpu"))
@@ -230,7 +230,7 @@ def test_what_vllms_trainer_would_ship_equals_what_the_record_tells_the_engines(
 def test_a_send_no_engine_takes_times_out_and_a_failed_send_carries_its_error(stubbed_nccl, monkeypatch):
     from vllm.distributed.weight_transfer import nccl_engine
 
-    from molt.engines.nccl_transfer import NCCLSender
+    from molt.train.nccl_send import NCCLSender
 
     monkeypatch.setattr(nccl_engine.NCCLTrainerWeightTransferEngine, "_broadcast", lambda s, src, m: time.sleep(3))
     with pytest.raises(RuntimeError, match=r"not taken within 0.3 s; the engines did not join"):
@@ -250,7 +250,7 @@ def test_the_trainer_publishes_the_record_first_then_every_tensor_over_nccl(stub
     """The trainer's nccl publication on CPU: CUDA check and device stubbed, vLLM's trainer engine real."""
     import functools
 
-    import molt.engines.nccl_transfer as nt
+    import molt.train.nccl_send as nt
     import molt.train.publish as publish
     from molt.refit import state_digests
     from molt.train.model import full_state_dict, load_policy, shard_policy
@@ -437,7 +437,7 @@ def test_one_nccl_refit_from_a_trainer_gpu_to_a_vllm_engine_gpu_is_verified(defa
     from transformers import AutoModelForCausalLM
 
     from molt.engines.config import EngineConfig, make_engine
-    from molt.engines.nccl_transfer import NCCLSender
+    from molt.train.nccl_send import NCCLSender
     from molt.refit import Probe
 
     transport = nccl(master_port=free_port(), num_engine_workers=1, timeout_s=300)

@@ -173,3 +173,63 @@ def test_set_reaches_list_items_and_errors_name_the_override(tmp_path):
     with pytest.raises(ValueError, match=r"p.yaml \(with --set edges.0.capacity=0\): edges\[0\].capacity: "
                                          r"Input should be greater than or equal to 1"):
         Pipeline.from_yaml(path, ["edges.0.capacity=0"])
+
+
+def test_a_pipeline_names_a_base_and_states_only_what_differs(tmp_path):
+    """molt.config.load_yaml: mappings merge key by key (of one ``type``), a stage set to null goes with its
+    edges, a circle of bases is refused; moe.yaml is the quickstart with a MoE policy."""
+    quick, moe = Pipeline.from_yaml("pipelines/quickstart.yaml"), Pipeline.from_yaml("pipelines/moe.yaml")
+    assert moe.stages["train"].config.model == moe.stages["evaluate"].config.model == "smollm2-135m-instruct-moe"
+    assert moe.stages["rollout"].config.engine.kv_cache_gib == 0.75 and moe.stages["rollout"].config.engine.block_size \
+        == quick.stages["rollout"].config.engine.block_size == 32, "merged key by key"
+    assert moe.stages["train"].config.weights.keep_versions == 1 and moe.stages["train"].config.routing_replay
+    assert moe.stages["source"].config == quick.stages["source"].config and moe.spec.results == quick.spec.results
+    assert [e.name for e in moe.edges] == [e.name for e in quick.edges]
+    base = tmp_path / "base.yaml"
+    base.write_text(open("pipelines/quickstart.yaml").read())
+    derived = write(tmp_path, """\
+        base: base.yaml
+        name: derived
+        keep_checkpoints: null                 # a null value is a value (keep every checkpoint)
+        stages:
+          source:
+            config: {task: {type: gsm8k, path: data/gsm8k/train.jsonl}}   # another type: replaced whole
+          evaluate: null
+          eval_sink: null
+    """, "derived.yaml")
+    pipe = Pipeline.from_yaml(derived)
+    assert pipe.spec.name == "derived" and pipe.spec.keep_checkpoints is None
+    assert pipe.stages["source"].config.task.type == "gsm8k" and pipe.stages["source"].config.prompts_per_batch == 16
+    assert "evaluate" not in pipe.stages and not any("evaluate" in e.name for e in pipe.edges)
+    write(tmp_path, "base: loop_b.yaml\nname: a\n", "loop_a.yaml")
+    write(tmp_path, "base: loop_a.yaml\nname: b\n", "loop_b.yaml")
+    with pytest.raises(ValueError, match=r"loop_b.yaml: base: loop_a.yaml leads back to a file that names it"):
+        Pipeline.from_yaml(tmp_path / "loop_a.yaml")
+
+
+def test_molt_graph_resolved_prints_the_pipeline_as_it_loads(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "molt.cli", "graph", "pipelines/moe.yaml", "--resolved"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    resolved = yaml.safe_load(out.stdout)
+    assert "base" not in resolved and resolved["policy"]["model"] == "smollm2-135m-instruct-moe"
+    assert "model" not in resolved["stages"]["train"]["config"], "the policy's facts are stated once"
+    again, moe = Pipeline.from_spec(resolved), Pipeline.from_yaml("pipelines/moe.yaml")
+    assert {sid: n.config for sid, n in again.stages.items()} == {sid: n.config for sid, n in moe.stages.items()}
+
+
+def test_a_pipeline_written_for_the_broadcast_stage_is_refused_with_the_way_over(tmp_path):
+    path = write(tmp_path, """\
+        stages:
+          broadcast: {class: stages.broadcast.Broadcast, colocate_with: train}
+        edges: []
+    """)
+    with pytest.raises(ValueError, match=r"stages.broadcast: Value error, the broadcast stage \(colocate_with: train\) "
+                                         r"is gone: the train stage publishes its own weights; hint: .*train.weights"):
+        Pipeline.from_yaml(path)
+    with pytest.raises(ValueError, match=r"quickstart.yaml \(with --set .*\): stages.train.config.publish.weights: "
+                                         r"an output of its own"):
+        Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.train.config.publish={weights: {}}"])

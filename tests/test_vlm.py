@@ -401,12 +401,11 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
         task = json.loads(r["metadata"])
         assert r["images"][0] == ChatTemplate.for_model(export).images(task["messages"])[0]
     out = subprocess.run([sys.executable, "-m", "molt.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
-                          "--run-dir", str(tmp_path / "replay"), "--set", f"stages.train.config.model={export}",
-                          "--set", f"stages.evaluate.config.model={export}",
+                          "--run-dir", str(tmp_path / "replay"), "--set", f"policy.model={export}",
                           "--set", f"stages.evaluate.config.engine={json.dumps(hf)}",
                           "--set", "stages.evaluate.config.task.num_problems=8",
                           "--set", "stages.train.config.compute_dtype=float32",
-                          "--set", "stages.pack.config.groups_per_step=4"],
+                          "--set", "policy.groups_per_step=4"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     a = (recorded / "rollout.0.arrow").read_bytes()

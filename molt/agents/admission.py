@@ -18,7 +18,8 @@ group too stale.
 
 Example: groups_per_step 2, max_staleness 0: groups 0 and 1 start at version 0, group
 2 waits for version 1; if group 1 is lost, or dropped by the filter, group 2 starts at
-version 0 (it fills step 0).
+version 0 (it fills step 0). With R rollout replicas each paces its share of a step:
+``groups_per_step`` here is the step's groups / R (64 groups, 4 replicas: 16 each).
 """
 
 from __future__ import annotations
@@ -33,10 +34,17 @@ class GroupAdmission(Generic[Group]):
 
     ``max_staleness`` None admits without bound. `finish` takes (admission index, group
     or None = lost) pairs in any order and returns the groups now releasable, in order.
+
+    Raises:
+        ValueError: ``groups_per_step`` (the whole step's) does not split evenly among ``replicas``.
     """
 
-    def __init__(self, groups_per_step: int, max_staleness: int | None) -> None:
-        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+    def __init__(self, groups_per_step: int, max_staleness: int | None, replicas: int = 1,
+                 where: str = "groups_per_step") -> None:
+        if groups_per_step % replicas:
+            raise ValueError(f"{where}: {groups_per_step} groups a step do not split evenly among "
+                             f"{replicas} rollout replicas, each of which paces its share")
+        self.groups_per_step, self.max_staleness = groups_per_step // replicas, max_staleness
         self.num_admitted = self.num_released = self.num_lost = 0  # released counts lost ones too
         self.dropped: dict[int, int] = {}  # filter replica -> this rollout's groups it dropped (`set_dropped`)
         self.finished: dict[int, Group | None] = {}  # by admission index, until released in order

@@ -44,34 +44,18 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from molt.refit import (DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTransport, Probe, ShmTransport, TransportConfig,
-                        check_transport, probe_token_ids, state_digests, weight_record)
+from molt.refit import (DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTransport, Probe, PublishConfig, check_transport,
+                        probe_token_ids, state_digests, weight_record)
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import run_owned, scratch_folder
 from molt.train.model import full_state_dict
 
 if TYPE_CHECKING:
-    from molt.engines.nccl_transfer import NCCLSender
+    from molt.train.nccl_send import NCCLSender
     from molt.train.model import PolicyModel
 
 logger = logging.getLogger(__name__)
-
-
-class PublishConfig(BaseModel):
-    """How the trainer publishes its weights on one output (module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    every_steps: int = Field(1, ge=1, description="publish after every k-th step (policy_version % k == 0)")
-    dir: str | None = Field(None, description="folder for the weight files; None: the run's scratch folder "
-                            "in shared memory (molt.stage.scratch_folder), which outlives the trainer")
-    keep_versions: int = Field(2, ge=1, description="newest weight files kept")
-    probe_tokens: int = Field(32, ge=0, description="length P of the refit probe (molt.refit); < 2 = none")
-    probe_atol: float | None = Field(None, gt=0, description="largest |engine - trainer| probe logprob "
-                                     "accepted; None: 1e-3 for an fp32 trainer forward, 1.0 for bf16")
-    transport: TransportConfig = Field(default_factory=ShmTransport, description="{type: shm}: a safetensors "
-                                       "file in dir; {type: nccl}: vLLM's weight-transfer API (molt.refit)")
 
 
 class Publisher:
@@ -113,7 +97,7 @@ class Publisher:
         if isinstance(transport := self.config.transport, NCCLTransport):
             # 1) the record tells the engines what comes  2) they meet the send in NCCL
             if self.sender is None:
-                from molt.engines.nccl_transfer import NCCLSender
+                from molt.train.nccl_send import NCCLSender
 
                 self.sender = NCCLSender(transport)
             fields = self.sender.record_fields(state)
