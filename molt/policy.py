@@ -17,9 +17,10 @@ Where the YAML sets it (an override), the value is checked, by the field's ``rel
   stated value must be the same; a contradiction fails at load naming both keys. (A trainer's
   temperature at 1.0 against a rollout at 0.8 biases every importance ratio by about 10%: the
   trainer must compute the logprobs of the distribution the engine sampled from.)
-- ``at_most`` (the rollout's max_staleness): no looser than the agreed value (None = unbounded),
-  since the trainer refuses older tokens; a stricter admission is meaningful (replicas running
-  unevenly stay within the trainer's bound).
+- ``at_most`` (the rollout's max_staleness): no looser than the agreed bound, since the trainer
+  refuses older tokens; a stricter admission is meaningful (replicas running unevenly stay within
+  the trainer's bound), and so is none (null: admission unbounded, the trainer's bound still holds;
+  `check_group_filters` asks for it where a bound cannot be kept).
 - ``warn`` (precision): the trainer computes in the precision the engines sample in (DESIGN §10),
   so an on-policy step has ratio 1 within fp32 tolerance. A stage set otherwise is the user's
   choice: allowed, and warned about at load with what it costs.
@@ -146,8 +147,8 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
 
 
 def _looser(bound: int | None, limit: int | None) -> bool:
-    """Whether staleness bound ``bound`` admits more than ``limit`` (None: unbounded)."""
-    return limit is not None and (bound is None or bound > limit)
+    """Whether a stated staleness bound ``bound`` admits more than ``limit`` (None: no bound stated)."""
+    return bound is not None and limit is not None and bound > limit
 
 
 def check_group_filters(pipe: Pipeline) -> None:

@@ -80,6 +80,8 @@ def test_the_policy_states_the_model_the_step_the_staleness_bound_and_the_weight
     assert (c["pack"].groups_per_step, c["rollout"].max_staleness, c["train"].weights.keep_versions) == (4, 0, 1)
     strict = Pipeline.from_yaml(QUICKSTART, ["stages.rollout.config.max_staleness=0"])  # admits more strictly
     assert (strict.stages["rollout"].config.max_staleness, strict.stages["train"].config.max_staleness) == (0, 1)
+    free = Pipeline.from_yaml(QUICKSTART, ["stages.rollout.config.max_staleness=null"])  # the trainer's bound holds
+    assert (free.stages["rollout"].config.max_staleness, free.stages["train"].config.max_staleness) == (None, 1)
     for key, message in [("stages.evaluate.config.model=other", "stages.evaluate.config.model is other but "
                           "policy.model is smollm2-135m-instruct"),
                          ("stages.pack.config.groups_per_step=8", "stages.pack.config.groups_per_step is 8 but "
@@ -87,8 +89,7 @@ def test_the_policy_states_the_model_the_step_the_staleness_bound_and_the_weight
                          ("stages.train.config.max_staleness=2", "stages.train.config.max_staleness is 2 but "
                           "policy.max_staleness is 1"),
                          ("stages.rollout.config.max_staleness=2", r"stages.rollout.config.max_staleness is 2 but "
-                          r"policy.max_staleness is 1 \(a rollout may admit only more strictly\)"),
-                         ("stages.rollout.config.max_staleness=null", "stages.rollout.config.max_staleness is None")]:
+                          r"policy.max_staleness is 1 \(a rollout may admit only more strictly\)")]:
         with pytest.raises(ValueError, match=message + ".*hint: state it once"):
             Pipeline.from_yaml(QUICKSTART, [key])
 
