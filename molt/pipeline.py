@@ -226,6 +226,7 @@ class Pipeline:
         ``pipeline.yaml`` keeps it for ``--resume`` and ``molt replay``: placement included, since
         a trainer's thread count changes its floating-point sums (a replay repeats the run's loss)."""
         data = self.spec.model_dump(by_alias=True, exclude={"stages"})
+        data["policy"] = self.spec.policy.model_dump(mode="json", exclude_none=True)  # unstated facts left out
         data["stages"] = {sid: {"class": n.class_path, "replicas": n.replicas, "world_size": n.world_size,
                                 "config": n.config.model_dump(mode="json", exclude=filled(n.config)),  # policy: once
                                 **{k: ",".join(map(str, ids)) for k, ids in (

@@ -122,7 +122,7 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
         mine = [(model, name, rel, key) for model, name, f, rel, key in fields if f == fact]
         stated = [(key, getattr(model, name), rel) for model, name, rel, key in mine if name in model.model_fields_set]
         agreed: tuple[str, Any] | None = next(((key, v) for key, v, rel in stated if rel == "equal"), None)
-        if fact == "precision" or fact in policy.model_fields_set:
+        if getattr(policy, fact) is not None:  # None: unstated (precision always is)
             agreed = (f"policy.{fact}", getattr(policy, fact))
         for key, value, rel in stated:
             if agreed is None or key == agreed[0]:

@@ -32,7 +32,7 @@ def test_the_policy_block_sets_the_trainers_and_every_engines_precision_and_temp
     assert "temperature" not in saved["stages"]["train"]["config"] and "dtype" not in saved["stages"]["rollout"][
         "config"]["engine"] and saved["policy"] == {
         "model": "smollm2-135m-instruct", "precision": "bfloat16", "temperature": 1.1, "groups_per_step": 16,
-        "max_staleness": 1, "weights": None}
+        "max_staleness": 1}
     assert facts(Pipeline.from_spec(saved)) == facts(pipe)
     saved["policy"]["temperature"] = 0.7  # e.g. molt replay RUN_DIR --from-step K --set policy.temperature=0.7
     assert facts(Pipeline.from_spec(saved))["train"] == (0.7, "bfloat16")

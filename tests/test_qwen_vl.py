@@ -210,11 +210,11 @@ def test_vlm_rl_on_a_tiny_qwen3_vl_moe_trains_with_routing_replay_and_verified_r
     stages["source"]["config"].update(prompts_per_batch=4, checkpoint_every_batches=0)
     stages["source"]["config"]["task"]["num_problems"] = 8
     engine = {"type": "transformers", "record_routing": True}
-    stages["rollout"]["config"].update(model=str(tiny_qwen_vl), engine=engine, group_size=2, groups_per_step=4,
-                                       max_concurrent_groups=4, seed=1, env="tests.doubles.agents.LetterShareEnv")
-    stages["pack"]["config"]["groups_per_step"] = 4
-    stages["train"]["config"].update(model=str(tiny_qwen_vl), compute_dtype="float32", routing_replay_compare=True)
-    stages["evaluate"]["config"].update(model=str(tiny_qwen_vl), every_versions=2, engine={"type": "transformers"})
+    spec["policy"].update(model=str(tiny_qwen_vl), groups_per_step=4)
+    stages["rollout"]["config"].update(engine=engine, group_size=2, max_concurrent_groups=4, seed=1,
+                                       env="tests.doubles.agents.LetterShareEnv")
+    stages["train"]["config"].update(compute_dtype="float32", routing_replay_compare=True)
+    stages["evaluate"]["config"].update(every_versions=2, engine={"type": "transformers"})
     stages["evaluate"]["config"]["task"]["num_problems"] = 4
     code, summary = run_spec(spec, tmp_path / "rl")
     assert code == 0, summary["error"]

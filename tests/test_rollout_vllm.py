@@ -23,8 +23,8 @@ def test_rollout_only_on_vllm_is_token_exact_graded_and_matches_trainer_logprobs
     pytest.importorskip("vllm")
     data = Pipeline.from_yaml("pipelines/rollout_only.yaml").to_dict()
     data["stages"]["source"]["config"]["task"]["num_problems"] = 4
-    data["stages"]["rollout"]["config"].update(model=str(default_model_dir), group_size=2, max_new_tokens=24)
-    data["policy"]["temperature"] = TEMPERATURE
+    data["stages"]["rollout"]["config"].update(group_size=2, max_new_tokens=24)
+    data["policy"].update(model=str(default_model_dir), temperature=TEMPERATURE)
     code, summary = run_spec(data, tmp_path / "run")
     assert code == 0, summary["error"]
     rows = [r for b in read_batches(tmp_path / "run" / "record" / "reward.out--sink.in") for r in b.to_pylist()]

@@ -190,7 +190,8 @@ def test_a_pipeline_replaying_routing_that_its_rollout_does_not_record_fails_at_
 
     text = Path("pipelines/moe.yaml").read_text()
     assert "routing_replay: true" in text and "record_routing: true" in text
-    text = text.replace("record_routing: true", "record_routing: false")
+    text = text.replace("record_routing: true", "record_routing: false").replace(
+        "base: quickstart.yaml", f"base: {Path('pipelines/quickstart.yaml').resolve()}")
     (tmp_path / "p.yaml").write_text(text)
     with pytest.raises(ValueError, match=r"stage 'train' reads column 'routed_experts' which no upstream stage "
                                          r"writes"):

@@ -314,12 +314,12 @@ def test_a_declared_feedback_edge_still_drains(tmp_path, no_orphans):
     assert versions == sorted(versions) and versions[-1] > 0, "the actor sees new weight versions"
 
 
-def test_a_torchrun_group_with_a_fused_stage_and_checkpoint_barriers(tmp_path, no_orphans):
+def test_a_torchrun_group_with_checkpoint_barriers(tmp_path, no_orphans):
     pytest.importorskip("torch")
     spec = {"name": "grp", "keep_checkpoints": None, "stages": {
         "source": {"class": SOURCE, "config": {"num_groups": 6, "groups_per_batch": 2, "checkpoint_every_batches": 1}},
         "total": {"class": "tests.doubles.stages.GroupTotal", "world_size": 2},
-        "tap": {"class": "tests.doubles.stages.Counter", "colocate_with": "total"},
+        "tap": {"class": "tests.doubles.stages.Counter"},
         "sink": {"class": SINK}},
         "edges": [{"from": "source", "to": "total"}, {"from": "total", "to": "sink", "record": True},
                   {"from": "total", "to": "tap"}]}

@@ -365,12 +365,11 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     stages = sft["stages"]
     stages["source"]["config"]["task"]["num_problems"] = 32
     stages["source"]["config"]["prompts_per_batch"] = 8
-    stages["sft"]["config"]["model"] = str(tiny_vlm)
-    stages["pack"]["config"]["groups_per_step"] = 8
+    sft["policy"].update(model=str(tiny_vlm), groups_per_step=8)
     export = tmp_path / "models" / "tiny-vlm-sft"
-    stages["train"]["config"].update(model=str(tiny_vlm), export_model=str(export), compute_dtype="float32")
+    stages["train"]["config"].update(export_model=str(export), compute_dtype="float32")
     hf = {"type": "transformers", "dtype": "float32"}  # the evaluations (vLLM serving the VLM: the rollout's)
-    stages["evaluate"]["config"].update(model=str(tiny_vlm), every_versions=4, engine=hf)
+    stages["evaluate"]["config"].update(every_versions=4, engine=hf)
     stages["evaluate"]["config"]["task"]["num_problems"] = 8
     code, summary = run_spec(sft, tmp_path / "sft")
     assert code == 0, summary["error"]
@@ -381,11 +380,10 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     stages = rl["stages"]
     stages["source"]["config"].update(prompts_per_batch=4, checkpoint_every_batches=0)
     stages["source"]["config"]["task"]["num_problems"] = 8
-    stages["rollout"]["config"].update(model=str(export), group_size=2, groups_per_step=4, max_concurrent_groups=4,
-                                       max_turns=2)  # a wrong answer gets a second look
-    stages["pack"]["config"]["groups_per_step"] = 4
-    stages["train"]["config"].update(model=str(export), compute_dtype="float32")
-    stages["evaluate"]["config"].update(model=str(export), every_versions=2, engine=hf)
+    rl["policy"].update(model=str(export), groups_per_step=4)
+    stages["rollout"]["config"].update(group_size=2, max_concurrent_groups=4, max_turns=2)  # a second look
+    stages["train"]["config"].update(compute_dtype="float32")
+    stages["evaluate"]["config"].update(every_versions=2, engine=hf)
     stages["evaluate"]["config"]["task"]["num_problems"] = 8
     code, summary = run_spec(rl, tmp_path / "rl")
     assert code == 0, summary["error"]
