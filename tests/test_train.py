@@ -373,8 +373,7 @@ def test_an_evaluation_can_take_its_weights_from_a_second_output_of_the_trainer(
     """As pipelines/gsm8k_gpu.yaml does when the rollout's refits go over NCCL: the trainer publishes
     every 2nd version as a file on a second output (publish.eval_weights)."""
     spec = with_evaluation(rl_pipeline(tiny_chat_model, 1), tiny_chat_model)
-    spec["stages"]["train"]["config"]["publish"] = {"weights": {}, "eval_weights": {"every_steps": 2,
-                                                                                    "keep_versions": 1}}
+    spec["stages"]["train"]["config"]["publish"] = {"eval_weights": {"every_steps": 2, "keep_versions": 1}}
     spec["edges"] = [e for e in spec["edges"] if e["to"] != "evaluate.weights"] + [
         {"from": "train.eval_weights", "to": "evaluate.weights", "kind": "broadcast"}]
     code, summary = run_spec(spec, tmp_path / "run")
