@@ -21,21 +21,23 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from molt.memory import release_freed_memory
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
-from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions
+from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions, packed_vision_inputs, row_images
 from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
                                   supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
-from molt.train.moe import RouterHooks, fp32_router_policy, routers
-from molt.train.packing import PackedSequence
+from molt.train.moe import RouterHooks, fp32_router_policy, packed_engine_routing, routers
+from molt.train.packing import PackedSequence, pack_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,83 @@ class PolicyModel(nn.Module):
             offset += length
         return out[:, None]
 
+
+    def rows_forward(self, mb: pa.RecordBatch, mask: Tensor, replay: bool = False,
+                     compare: bool = False) -> RowsForward:
+        """One packed forward of a micro-batch's rows, all a model family needs done in one place:
+        shared prompts forwarded once where attention allows (`shares_prompts`), a VLM's images in
+        packed order (molt.multimodal), a MoE's router hooks given the engine's experts (column
+        ``routed_experts``; ``replay``: route by them, R3) and, with ``compare``, one more no-grad
+        forward with replay the other way. ``mask``: the rows' loss masks [B, T] (bool).
+
+        Raises:
+            ValueError: images that do not match the rows (molt.multimodal), or recorded experts the
+                model does not have (molt.train.moe.packed_engine_routing).
+        """
+        loss_masks, rows, sample_ids = (mb.column(c).to_pylist() for c in ("loss_mask", "token_ids", "sample_id"))
+        images = row_images(mb)
+        packed = pack_sequences(rows, loss_masks if self.shares_prompts else None, images)
+        vision = packed_vision_inputs(self.vision, rows, images, sample_ids, packed.token_index)
+        hooks = self.router_hooks
+        if hooks is not None and "routed_experts" in mb.schema.names:
+            hooks.engine_routing = packed_engine_routing(mb.column("routed_experts").to_pylist(), sample_ids,
+                                                         packed.lengths, packed.token_index,
+                                                         packed.input_ids.shape[1], hooks)
+            hooks.replay = replay
+
+        def logp() -> Tensor:  # [B, T]
+            return _unpack(self(packed.input_ids, packed.position_ids, packed, loss_masks, vision), packed, mask)
+
+        try:
+            out = RowsForward(logp(), None, None, None)
+            out.entropy = _unpack(self.entropy, packed, mask)  # type: ignore[arg-type]  # of this forward
+            if hooks is not None:
+                out.aux = hooks.aux_loss()
+                if compare:  # the other replay setting, without counting its load
+                    counts, routing = hooks.counts.clone(), hooks.routing.clone()
+                    hooks.replay = not hooks.replay
+                    with torch.no_grad():
+                        out.other = logp()
+                    hooks.counts, hooks.routing, hooks.replay = counts, routing, not hooks.replay
+            return out
+        finally:
+            if hooks is not None:
+                hooks.engine_routing = None
+
+    def dummy_forward(self, compare: bool = False) -> Tensor:
+        """A zero loss through a 2-token forward (then a no-grad one with ``compare``, as `rows_forward`
+        does): a rank without rows keeps FSDP (and expert-parallel) collectives in step with the others;
+        MoE load counts leave it out."""
+        packed = pack_sequences([[0, 0]])
+        hooks = self.router_hooks
+        if hooks is not None:
+            hooks.active = False
+        try:
+            loss = self(packed.input_ids, packed.position_ids).sum() * 0.0
+            if hooks is not None and compare:  # expert-parallel all-to-alls pair with the other ranks' forwards
+                with torch.no_grad():
+                    self(packed.input_ids, packed.position_ids)
+            return loss
+        finally:
+            if hooks is not None:
+                hooks.active = True
+
+
+@dataclass
+class RowsForward:
+    """`PolicyModel.rows_forward` of a micro-batch: [B, T] per token (0 past a row's end)."""
+
+    logp: Tensor  # logprobs of the loss tokens (with gradient), 0 elsewhere
+    entropy: Tensor | None  # of the sampling distribution at the loss tokens (nats, no gradient)
+    aux: Tensor | None  # MoE: this forward's load-balancing loss (0-dim, with gradient); None if dense
+    other: Tensor | None  # MoE with compare: logp with routing replay the other way (no gradient)
+
+
+def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
+    """[B, T] (0 past a row's end) of values [sum lengths] of the packed rows in order."""
+    dev = flat.device
+    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
+    return torch.zeros(mask.shape, device=dev).masked_scatter(valid, flat)
 
 def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
     """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode.

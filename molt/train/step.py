@@ -29,7 +29,6 @@ Shape legend: B rows of a micro-batch, T their longest row, S packed tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,11 +45,10 @@ from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, K
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
 from molt.memory import release_freed_memory
-from molt.multimodal import VisionInputs, packed_vision_inputs, row_images
 from molt.schema import make_schema
-from molt.train.moe import RouterHooks, load_metrics, packed_engine_routing
+from molt.train.model import PolicyModel
+from molt.train.moe import load_metrics
 from molt.train.optim import OptimConfig, set_lr
-from molt.train.packing import PackedSequence, pack_sequences
 
 STEP_READS = ("sample_id", "token_ids", "loss_mask", "rollout_logprobs", "policy_version", "advantages")
 SFT_UNREAD = ("rollout_logprobs", "advantages")  # SFT records (demonstrations) have neither
@@ -142,27 +140,35 @@ def lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
     return float((version - versions[mask]).sum()), int(mask.sum())
 
 
-def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig,
+def _micro_loss(model: PolicyModel, mb: pa.RecordBatch, obj: ObjectiveConfig,
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
-    """This micro-batch's share of the step loss (0-dim) and its token metrics."""
-    loss_masks, rows = mb.column("loss_mask").to_pylist(), mb.column("token_ids").to_pylist()
-    images = row_images(mb)
-    shares = getattr(model, "shares_prompts", False)  # molt_packed_sdpa: rows of a group forward their prompt once
-    packed = pack_sequences(rows, loss_masks if shares else None, images)
-    vision = packed_vision_inputs(getattr(model, "vision", None), rows, images, mb.column("sample_id").to_pylist(),
-                                  packed.token_index)  # a VLM: the images in packed order
-    hooks = getattr(model, "router_hooks", None)
-    if hooks is not None and "routed_experts" in mb.schema.names:
-        hooks.engine_routing = packed_engine_routing(
-            mb.column("routed_experts").to_pylist(), mb.column("sample_id").to_pylist(), packed.lengths,
-            packed.token_index, packed.input_ids.shape[1], hooks)
-        hooks.replay = obj.routing_replay
+    """This micro-batch's share of the step loss (0-dim) and its token metrics: the model's forward of
+    its rows (all that differs by model family: `PolicyModel.rows_forward`), then `policy_loss`."""
     mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
-    logp = _forward_logp(model, packed, loss_masks, mask, vision)
+    fwd = model.rows_forward(mb, mask, obj.routing_replay, obj.routing_replay_compare)
+    mask = mask.to(fwd.logp.device)
+    share, metrics = policy_loss(fwd.logp, mb, mask, obj, step_tokens, step_seqs, fwd.entropy)
+    if fwd.aux is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
+        metrics["moe/aux_loss"] = float(fwd.aux.detach())
+        if obj.router_aux_loss_coef:
+            share = share + obj.router_aux_loss_coef * fwd.aux * (mask.sum() / step_tokens)
+    if fwd.other is not None:  # |train - rollout| logprob with routing replay and without
+        rollout = padded(mb, "rollout_logprobs", torch.float32).to(mask.device)
+        gaps = {obj.routing_replay: fwd.logp.detach(), not obj.routing_replay: fwd.other}
+        for replayed, name in ((True, "replay"), (False, "no_replay")):
+            metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
+                                                       / mask.sum().clamp_min(1))
+    return share, metrics
+
+
+def policy_loss(logp: Tensor, mb: pa.RecordBatch, mask: Tensor, obj: ObjectiveConfig, step_tokens: int,
+                step_seqs: int, entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's share of the step loss (0-dim) from the trainer's logprobs ``logp`` [B, T] and
+    the batch's columns (``rollout_logprobs``, ``advantages``, ``ref_logprobs``; SFT records have
+    neither of the first two), and its token metrics; steps 2's c, L and share of the module docstring."""
     dev = logp.device
-    mask = mask.to(dev)
     rollout, adv = (padded(mb, name, torch.float32).to(dev) if name in mb.schema.names else torch.zeros_like(logp)
-                    for name in ("rollout_logprobs", "advantages"))  # SFT records: neither
+                    for name in ("rollout_logprobs", "advantages"))
     corr = obj.correction.compute(logp, rollout, mask)
     old = rollout if obj.anchor == "rollout" else logp.detach()
     pl = obj.policy_loss.compute(logp, old, adv, corr.keep)
@@ -172,63 +178,7 @@ def _micro_loss(model: torch.nn.Module, mb: pa.RecordBatch, obj: ObjectiveConfig
         token_kl = obj.kl.per_token(logp, padded(mb, "ref_logprobs", torch.float32).to(dev), mask)
         per_token = per_token + obj.kl.coef * token_kl
     share = obj.aggregation.reduce(per_token, mask, step_tokens, step_seqs)
-    entropy = _unpack(model.entropy, packed, mask)  # type: ignore[arg-type]  # PolicyModel: of this forward
-    metrics = policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl, entropy)
-    if hooks is not None:  # MoE: the load-balancing loss of this forward, weighted by its loss tokens
-        aux = hooks.aux_loss()
-        metrics["moe/aux_loss"] = float(aux.detach())
-        if obj.router_aux_loss_coef:
-            share = share + obj.router_aux_loss_coef * aux * (mask.sum() / step_tokens)
-        if obj.routing_replay_compare:  # the other replay setting, without counting its load
-            other = _compare_forward(model, hooks, lambda: _forward_logp(model, packed, loss_masks, mask, vision))
-            gaps = {obj.routing_replay: logp.detach(), not obj.routing_replay: other}
-            for replayed, name in ((True, "replay"), (False, "no_replay")):
-                metrics[f"moe/logprob_diff_{name}"] = float(((gaps[replayed] - rollout).abs() * mask).sum()
-                                                           / mask.sum().clamp_min(1))
-        hooks.engine_routing = None
-    return share, metrics
-
-
-def _forward_logp(model: torch.nn.Module, packed: PackedSequence, loss_masks: list[list[bool]],
-                  mask: Tensor, vision_inputs: VisionInputs | None = None) -> Tensor:
-    """[B, T] logprob of every token of the micro-batch's rows (0 past a row's end) from one packed forward."""
-    return _unpack(model(packed.input_ids, packed.position_ids, packed, loss_masks, vision_inputs), packed, mask)
-
-
-def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
-    """[B, T] (0 past a row's end) of values [sum lengths] of the packed rows in order."""
-    dev = flat.device
-    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
-    return torch.zeros(mask.shape, device=dev).masked_scatter(valid, flat)
-
-
-def _compare_forward(model: torch.nn.Module, hooks: RouterHooks, forward: Callable[[], Tensor]) -> Tensor:
-    """``forward()`` without gradient with ``hooks.replay`` flipped; the hooks' counts are left as before."""
-    counts, routing, replay = hooks.counts.clone(), hooks.routing.clone(), hooks.replay
-    hooks.replay = not replay
-    with torch.no_grad():
-        out = forward()
-    hooks.counts, hooks.routing, hooks.replay = counts, routing, replay
-    return out
-
-
-def _dummy_loss(model: torch.nn.Module, obj: ObjectiveConfig) -> Tensor:
-    """Zero loss through a 2-token forward (then a no-grad one with ``routing_replay_compare``,
-    as a real micro-batch): keeps FSDP (and expert-parallel) collectives in step across ranks;
-    MoE load counts leave it out."""
-    packed = pack_sequences([[0, 0]])
-    hooks = getattr(model, "router_hooks", None)
-    if hooks is not None:
-        hooks.active = False
-    try:
-        loss = model(packed.input_ids, packed.position_ids).sum() * 0.0
-        if hooks is not None and obj.routing_replay_compare:  # after, as in `_micro_loss`: expert-parallel
-            with torch.no_grad():  # all-to-alls pair with the other ranks' forwards in order
-                model(packed.input_ids, packed.position_ids)
-        return loss
-    finally:
-        if hooks is not None:
-            hooks.active = True
+    return share, policy_step_metrics(mask, adv, pl, corr, logp, rollout, token_kl, entropy)
 
 
 def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
@@ -261,7 +211,7 @@ def inert_rows(batch: pa.RecordBatch, obj: ObjectiveConfig) -> np.ndarray:
                      zip(batch.column("advantages").to_pylist(), batch.column("loss_mask").to_pylist())])
 
 
-def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConfig,
+def accumulate(model: PolicyModel, batch: pa.RecordBatch, obj: ObjectiveConfig,
                rank: int, world_size: int) -> tuple[float, list[dict[str, float]]]:
     """Forward/backward every micro-batch of ``rank``; returns (sum of shares, metrics)."""
     ranks = batch.column("dp_rank").to_numpy()
@@ -277,7 +227,7 @@ def accumulate(model: torch.nn.Module, batch: pa.RecordBatch, obj: ObjectiveConf
             set_sync(k == num_micro - 1)
         rows = ((ranks == rank) & (micro == k) & ~inert).nonzero()[0]
         if len(rows) == 0:
-            share = _dummy_loss(model, obj)
+            share = model.dummy_forward(obj.routing_replay_compare)
         else:
             share, metrics = _micro_loss(model, batch.take(rows), obj, step_tokens, step_seqs)
             parts.append(metrics)
@@ -339,7 +289,7 @@ def metric_keys(obj: ObjectiveConfig) -> list[str]:
     return sorted(policy_step_metrics(mask, zeros, pl, corr, zeros, zeros, zeros if obj.kl else None, zeros))
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: pa.RecordBatch,
+def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, batch: pa.RecordBatch,
                obj: ObjectiveConfig, optim_cfg: OptimConfig, version: int) -> StepResult:
     """One optimizer step on this rank's rows of ``batch`` (module docstring, steps 2-3).
 
@@ -350,7 +300,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     lr = set_lr(optimizer, version, optim_cfg)
-    hooks = getattr(model, "router_hooks", None)
+    hooks = model.router_hooks
     if hooks is not None:
         hooks.take_counts()  # drop what forwards outside a step counted
     local_loss, parts = accumulate(model, batch, obj, rank, world_size)
