@@ -110,9 +110,9 @@ class Train(Service):
         self.lag_sum, self.lag_tokens = 0.0, 0  # over the run: version trained at - version generated with
         self.resumed = False
         self.watch = CollapseWatch(c.collapse, key)
-        self.publishers = {port: Publisher(cfg, self.model, self.ctx.rank, f"{key}.{where}") for port, cfg, where in
-                           [("weights", c.weights, "weights")] + [(p, v, f"publish.{p}") for p, v in c.publish.items()]
-                           if port in self.ctx.subscribed}
+        outputs = {"weights": (c.weights, "weights"), **{p: (v, f"publish.{p}") for p, v in c.publish.items()}}
+        self.publishers = {port: Publisher(cfg, self.model, self.ctx.rank, f"{key}.{where}", self.log)
+                           for port, (cfg, where) in outputs.items() if port in self.ctx.subscribed}
 
     async def run(self) -> None:
         if self.resumed:  # engines get the restored weights before any new rollout

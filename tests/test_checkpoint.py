@@ -153,5 +153,8 @@ def test_replay_from_step_two_repeats_the_recorded_losses_of_steps_two_and_three
     for new, old in zip(replayed, recorded[2:]):
         assert new["loss"] == old["loss"] and new["grad_norm"] == old["grad_norm"], (new, old)
     assert "evaluate" not in (tmp_path / "r" / "pipeline.yaml").read_text()
+    log = (tmp_path / "r" / "logs" / "train.0.log").read_text()
+    assert "published version" not in log, "no stage subscribes to the weights: the trainer publishes none"
+    assert "published version" in (full_rl_run / "logs" / "train.0.log").read_text()
     out = subprocess.run([*MOLT, "replay", str(full_rl_run), "--from-step", "7"], capture_output=True, text=True)
     assert out.returncode == 2 and "no complete checkpoint at step 7; got checkpoints at steps [0, 1, 2, 3, 4]" in out.stderr
