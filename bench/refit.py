@@ -1,6 +1,6 @@
 """Seconds per verified refit of the default model vs moving the same bytes through /dev/shm.
 
-Molt, per version, what the broadcast stage and the rollout do after the FSDP2 gather:
+Molt, per version, what the trainer (molt.train.publish) and the rollout do after the FSDP2 gather:
 the atomic safetensors write to /dev/shm on a thread, beside it a digest per tensor
 computed from memory and the trainer's probe forward (molt.refit, FSDP2 at
 world size 1; ``publish_weights``), then ``apply_weight_record`` on a
