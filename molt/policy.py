@@ -94,13 +94,12 @@ def filled(config: BaseModel) -> dict[str, Any]:
     """The `policy_field` s of ``config`` that took the agreed value, as a ``model_dump`` ``exclude``:
     a resolved pipeline (a run's ``pipeline.yaml``) states them once, in its ``policy:`` block."""
     out: dict[str, Any] = {}
-    for name, field in type(config).model_fields.items():
-        extra = field.json_schema_extra
-        if isinstance(extra, dict) and "policy" in extra:
-            if name not in config.model_fields_set:
-                out[name] = True
-        elif isinstance(value := getattr(config, name), BaseModel) and (inner := filled(value)):
-            out[name] = inner
+    for model, name, _, _, key in _marked(config, ""):
+        if name not in model.model_fields_set:
+            node = out
+            for part in key.split(".")[1:-1]:  # the nested configs' field names
+                node = node.setdefault(part, {})
+            node[name] = True
     return out
 
 

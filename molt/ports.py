@@ -46,10 +46,6 @@ class InputPort:
         for edge in self.edges:
             await edge.hello()
 
-    @property
-    def is_broadcast(self) -> bool:
-        return all(e.spec.kind == "broadcast" for e in self.edges)
-
     async def recv(self, timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
         """Next batch or barrier; None at end of stream.
 

@@ -12,7 +12,6 @@ instead of rewriting old ones.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -223,8 +222,3 @@ def conform(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordBa
         batch = batch.select(schema.names)
     return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
 
-
-def row_metadata(batch: pa.RecordBatch, row: int) -> dict[str, Any]:
-    """Parse the JSON ``metadata`` column of one row ({} when null)."""
-    value = batch.column("metadata")[row].as_py()
-    return json.loads(value) if value else {}
