@@ -225,8 +225,7 @@ def replay_from_step(run_dir: Path, step: int, overrides: list[str], out_dir: st
     skip = {f"{name}.arrow": read_replica_state(folder, name)["recorded"].get(edge.name, 0)
             for name in sorted(names) if name.rsplit(".", 1)[0] == edge.src}
     spec = _without_broadcast_only(replay_spec(data, str(run_dir / "record" / edge_dir(edge.name)),
-                                               f"{edge.dst}.{edge.dst_port}", source),
-                                   {e["from"] for e in data["edges"]})
+                                               f"{edge.dst}.{edge.dst_port}", source))
     spec["stages"]["replay"]["config"]["skip"] = skip
     replay = Pipeline.from_spec(spec, source=f"{source} (replay from step {step})")
     print(f"replaying {edge.name} after {folder.name} (step {step})", file=sys.stderr)
@@ -248,10 +247,9 @@ def _recorded_trajectory_edge(pipe: Pipeline, trainer: str, run_dir: Path) -> An
     return min(edges, key=lambda e: order.index(e.dst))
 
 
-def _without_broadcast_only(spec: dict[str, Any], before: set[str]) -> dict[str, Any]:
-    """Drop stages fed only by broadcast edges (an evaluation) and the stages only they feed;
-    outputs (of ``before``, the original producers) left without a consumer, such as new
-    weights, go to a sink stage ``dropped``."""
+def _without_broadcast_only(spec: dict[str, Any]) -> dict[str, Any]:
+    """Drop stages fed only by broadcast edges (an evaluation) and the stages only they feed (the
+    trainer's weights outputs, then unsubscribed, publish nothing)."""
     fed = {e["to"].split(".")[0] for e in spec["edges"]}
     while True:
         kinds: dict[str, list[str]] = {}
@@ -263,10 +261,6 @@ def _without_broadcast_only(spec: dict[str, Any], before: set[str]) -> dict[str,
         spec["stages"] = {k: v for k, v in spec["stages"].items() if k not in gone}
         spec["edges"] = [e for e in spec["edges"]
                          if e["from"].split(".")[0] not in gone and e["to"].split(".")[0] not in gone]
-    dangling = sorted(p for p in before - {e["from"] for e in spec["edges"]} if p.split(".")[0] in spec["stages"])
-    if dangling:
-        spec["stages"]["dropped"] = {"class": "stages.metrics_sink.MetricsSink"}
-        spec["edges"] += [{"from": p, "to": "dropped"} for p in dangling]
     return spec
 
 

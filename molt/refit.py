@@ -9,14 +9,14 @@ checked: the engine (molt.engines.refit: load, digests, probe). What they share 
   dtype and shape, and the trainer's probe;
 - **the transport** (``transport: {type: ...}``): ``shm`` (default), a safetensors file in shared
   memory + vLLM's ``reload_weights``; ``nccl``, vLLM 0.32's weight-transfer API
-  (molt.engines.nccl_transfer), the trainer's rank 0 broadcasting to every engine worker; CUDA
-  only, one GPU per NCCL rank; ``ipc``, CUDA IPC for an engine on the trainer's GPU, refused for
-  now (`check_transport`). For ``nccl`` the record is the control plane: ``format`` "nccl", a
-  ``uri`` with the rendezvous and wire parameters, and ``tensor_dtypes``/``tensor_shapes`` beside
-  ``tensor_names`` to size the receive buffers. Example: 2 rollout replicas of 1 worker,
-  ``{type: nccl, num_engine_workers: 2}``: the uri is ``nccl://127.0.0.1:29551?world_size=3&
-  packed=1&buffer_bytes=1073741824&num_buffers=2``, the trainer NCCL rank 0, replica 0's worker
-  rank 1, replica 1's rank 2;
+  (molt.train.nccl_send, molt.engines.nccl_transfer), the trainer's rank 0 broadcasting to every
+  engine worker; CUDA only, one GPU per NCCL rank; ``ipc``, CUDA IPC for an engine on the
+  trainer's GPU, refused for now (`check_transport`). For ``nccl`` the record is the control
+  plane: ``format`` "nccl", a ``uri`` with the rendezvous and wire parameters, and
+  ``tensor_dtypes``/``tensor_shapes`` beside ``tensor_names`` to size the receive buffers.
+  Example: 2 rollout replicas of 1 worker, ``{type: nccl, num_engine_workers: 2}``: the uri is
+  ``nccl://127.0.0.1:29551?world_size=3&packed=1&buffer_bytes=1073741824&num_buffers=2``, the
+  trainer NCCL rank 0, replica 0's worker rank 1, replica 1's rank 2;
 - **digests** (`tensor_digest`): the trainer digests every tensor from memory while it publishes;
   each engine digests every tensor as its loader consumes it; the two must be equal
   (`verify_refit`), so stale, missing or different bytes are named tensor by tensor. XXH3-128:

@@ -22,6 +22,7 @@ gives a fixed ``schema``. The pipeline derives every edge's schema from these at
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -263,3 +264,15 @@ class Service(Stage):
 
     async def run(self) -> None:
         raise NotImplementedError
+
+
+async def first_failure(main: asyncio.Task[Any], others: list[asyncio.Task[Any]]) -> None:
+    """Wait for ``main``; raise the first error of it or of ``others`` (which may end without one)."""
+    waiting = {main, *others}
+    while not main.done():
+        done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                main.cancel()
+                raise task.exception()  # type: ignore[misc]
+    main.result()

@@ -44,16 +44,14 @@ from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
 
 
-def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str, replica: int) -> tuple[EdgeSpec, int]:
-    """The :class:`EdgeSpec` of an edge as seen from one process, and its replica index there."""
+def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str) -> EdgeSpec:
+    """The :class:`EdgeSpec` of an edge (its endpoints from the run's wiring)."""
     edge = next(e for e in pipe.edges if e.name == edge_name)
     w = wiring[edge_name]
-    endpoints, consumers = tuple(w["endpoints"]), tuple(w["consumers"])
     assert edge.schema is not None
-    spec = EdgeSpec(edge_name, edge.cfg.kind, endpoints, consumers, edge.schema, edge.cfg.key,
-                    edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
+    return EdgeSpec(edge_name, edge.cfg.kind, tuple(w["endpoints"]), tuple(w["consumers"]), edge.schema,
+                    edge.cfg.key, edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
                     edge.cfg.max_message_mib << 20)
-    return spec, replica
 
 
 class GroupInput:
@@ -119,7 +117,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
                                 node.id, replica)
     for port in node.inputs:
         edges = [e for e in pipe.edges if e.dst == node.id and e.dst_port == port]
-        specs = [edge_spec(pipe, wiring, e.name, replica)[0] for e in edges]
+        specs = [edge_spec(pipe, wiring, e.name) for e in edges]
         if world_size == 1:
             ctx.inputs[port] = InputPort(zctx, port, specs, name)
         else:
@@ -133,7 +131,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
         recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow",
                                           recorded.get(e.name, 0))
                      for e in edges if e.cfg.record and rank == 0}
-        ends = [edge_spec(pipe, wiring, e.name, replica) for e in edges]
+        ends = [(edge_spec(pipe, wiring, e.name), replica) for e in edges]
         ctx.outputs[port] = OutputPort(zctx, port, ends, name, recorders)
     return node.cls(node.config, ctx)
 

@@ -1,22 +1,20 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON) come in on ``in``; each becomes ``group_size`` concurrent episodes of the
-``env`` (default SingleTurn) or ``agent`` (OpenAI SDK code) on one engine (vLLM by default): token ids, logprobs and
-versions go from the engine to the record untouched. Groups leave in the order they started, the i-th only once the
-engine is at version >= i // groups_per_step - max_staleness (DESIGN §4, molt.agents.admission; a group dropped
-downstream, told on ``drops``, gives up its place). Each weight record on ``weights`` is loaded and verified (a
-failure stops the run); streamed ones (nccl) are taken until the weights end, after ``out``, as all are with
-``evaluate:``: evaluations on this engine (molt.evaluation.Evaluator; rows on ``eval``). Checkpoint: admission
-counters, versions evaluated and the engine's version, which a resumed rollout waits for. A rollout whose env or agent
-raises, or whose prompt is over the context window, fails (``rollouts_failed``); a group with none left is lost
-(``groups_lost``) and the next takes its place; if none succeeds (checked after a step's worth of lost groups, and at
-the end) the stage fails. A dead or hung engine is restarted and its groups rerun (molt.engines.restart).
+Prompts (``prompt_id`` + ``metadata`` JSON) on ``in`` become ``group_size`` concurrent episodes each, of the ``env`` or
+``agent`` (OpenAI SDK code) on one engine: token ids, logprobs and versions go from the engine to the record untouched.
+One task admits groups, one sends finished ones in the order they started, the i-th once the engine is at version >= i
+// groups_per_step - max_staleness (molt.agents.admission; a group dropped downstream, told on ``drops``, gives up its
+place), one refits to each newest weight record on ``weights`` (verified; after ``out``, until the weights end, if they
+stream (nccl) or with ``evaluate:``, evaluations on this engine: molt.evaluation). Checkpoint: admission counters,
+versions evaluated and the engine's version, which a resumed rollout waits for. A rollout whose env or agent raises or
+whose prompt is over the context window fails (``rollouts_failed``); a group with none left is lost (``groups_lost``),
+the next takes its place; if none succeeds (checked after a step's worth of lost groups, and at the end) the stage
+fails. A dead or hung engine is restarted, its groups rerun (molt.engines.restart).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -33,7 +31,7 @@ from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.models import resolve_model
 from molt.policy import policy_field
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
-from molt.stage import Port, Service, StageConfig
+from molt.stage import Port, Service, StageConfig, first_failure
 from molt.tasks import read_prompts
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
@@ -96,46 +94,61 @@ class Rollout(Service):
         if (c.env or c.agent) and c.max_turns == 1:
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
 
-    async def run(self) -> None:
+    async def run(self) -> None:  # the tasks of the module docstring; the first to fail stops the others
         if self.server is not None:
             await self.server.start()
-        prompts: list[tuple[str, dict[str, Any]]] = []
-        pending: set[asyncio.Task[tuple[int, pa.RecordBatch | None]]] = set()
-        exhausted = False  # the prompts' end of stream has arrived
-        while not exhausted or pending:
-            await self._refit_if_new_weights()
-            await self.admission.take_drop_notices(self.ctx.inputs.get("drops"))
-            # 1) admit new groups while there is room and staleness allows
-            while not exhausted and len(pending) < self.config.max_concurrent_groups and \
-                    self.admission.admissible(self.engine.policy_version):  # a resumed one: its version first
-                if not prompts:
-                    item = await self._recv_prompts()
-                    if item is None:
-                        exhausted = True
-                        break
-                    if isinstance(item, Barrier):  # drain what started before it, then forward it
-                        await self._send_done(await asyncio.gather(*pending))
-                        pending.clear()
-                        await self.barrier(item.step)
-                        continue
-                    prompts += item
-                    if not item:
-                        break
-                prompt_id, task = prompts.pop(0)
-                self.first_admit_s = self.first_admit_s or time.monotonic()
-                pending.add(asyncio.create_task(self._group(prompt_id, task, self.admission.admit())))
-            # 2) wait for finished groups  3) send them whole
-            if not pending:
-                await asyncio.sleep(0.05)  # admission is waiting for new weights
-                continue
-            done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
-            await self._send_done([t.result() for t in done])
-        self._check_failures(end=True)
-        if self.config.weights_input and (self.engine.streams_weights or self.evaluator.tasks):
-            await self.end("out")  # 4) take refits until the trainer ends: streamed ones wait for every engine,
-            while (item := await self.recv("weights")) is not None:  # and the last version is evaluated
-                await self._refit_if_new_weights(item)
+        self.finished, self.groups = asyncio.Queue[Any](), set[Any]()  # finished groups; those running
+        await self._refit()  # weights already published (a resumed run's) and the first evaluation
+        listening = {p: asyncio.create_task(self._listen(p), name=p) for p in ("weights", "drops") if p in self.ctx.inputs}
+        others = [asyncio.create_task(self._send_in_order(), name="send"), *listening.values()]
+        try:
+            await first_failure(asyncio.create_task(self._admit(), name="admit"), others)
+            self._check_failures(end=True)
+            if "weights" in listening and (self.engine.streams_weights or self.evaluator.tasks):
+                await self.end("out")  # take refits until the trainer ends: streamed ones wait for every engine,
+                await first_failure(listening.pop("weights"), [])  # and the last version is evaluated
+        finally:
+            for task in others:
+                task.cancel()
         await self.evaluator.finish()
+
+    async def _admit(self) -> None:
+        """A group per prompt while there is room and staleness allows; every group sent at a barrier and the end."""
+        a, room = self.admission, self.config.max_concurrent_groups
+        while (item := await self.recv("in")) is not None:
+            if isinstance(item, Barrier):  # drain what started before it, then forward it
+                await a.until(lambda: a.num_released == a.num_admitted)
+                await self.barrier(item.step)
+                continue
+            for prompt_id, task in read_prompts(item):
+                await a.until(lambda: a.running < room and a.admissible(self.engine.policy_version))
+                self.first_admit_s = self.first_admit_s or time.monotonic()
+                group = asyncio.create_task(self._group(prompt_id, task, a.admit()))
+                self.groups.add(group)  # a reference until it ends; then (index, rows) or its error to send
+                group.add_done_callback(lambda t: t.cancelled() or self.finished.put_nowait(t.exception() or t.result()))
+                group.add_done_callback(self.groups.discard)
+        await a.until(lambda: a.num_released == a.num_admitted)
+
+    async def _send_in_order(self) -> None:
+        """Send finished groups in admission order (a lost group, None, sends nothing); raise a group's error."""
+        while True:
+            if isinstance(done := await self.finished.get(), BaseException):
+                raise done
+            lost = self.admission.num_lost
+            for batch in self.admission.finish([done]):
+                await self.send("out", batch)
+            self.metrics.count("groups_lost", self.admission.num_lost - lost)
+            self._check_failures()
+            await self.admission.changed()
+
+    async def _listen(self, port: str) -> None:
+        """Refit to the newest version waiting on ``weights``, or take drop notices on ``drops``, as they come."""
+        while (item := await self.ctx.inputs[port].recv()) is not None:
+            if port == "drops" and isinstance(item, pa.RecordBatch):
+                self.admission.take_drop_notices(item.to_pylist())
+                await self.admission.changed()
+            elif port == "weights" and isinstance(item, pa.RecordBatch):
+                await self._refit(item)  # or a newer one waiting (molt.engines.restart)
 
     def _check_failures(self, end: bool = False) -> None:
         """Fail when no rollout succeeded (after a step's worth of lost groups, or at the end); log throughput."""
@@ -154,21 +167,6 @@ class Rollout(Service):
         self.admission.load_state_dict(state)
         self.evaluator.load_state_dict(state)
         self.admission.min_version = state["policy_version"] if self.config.weights_input else 0
-
-    async def _recv_prompts(self) -> list[tuple[str, dict[str, Any]]] | Barrier | None:
-        """Next prompts ([] if none within 0.2 s), a barrier, or None at end of stream."""
-        with contextlib.suppress(TimeoutError):
-            item = await self.recv("in", timeout_s=0.2)
-            return item if item is None or isinstance(item, Barrier) else read_prompts(item)
-        return []
-
-    async def _send_done(self, groups: list[tuple[int, pa.RecordBatch | None]]) -> None:
-        """Send finished groups in admission order (a lost group, None, sends nothing)."""
-        lost = self.admission.num_lost
-        for batch in self.admission.finish(groups):
-            await self.send("out", batch)
-        self.metrics.count("groups_lost", self.admission.num_lost - lost)
-        self._check_failures()
 
     async def _group(self, prompt_id: str, task: dict[str, Any], index: int) -> tuple[int, pa.RecordBatch | None]:
         """Run ``group_size`` episodes of one prompt; (index, rows of the successful ones)."""
@@ -190,11 +188,13 @@ class Rollout(Service):
         return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
                                  self.config.max_turns, self.config.engine.max_model_len)
 
-    async def _refit_if_new_weights(self, item: pa.RecordBatch | Barrier | None = None) -> None:
-        seconds = await self.evaluator.refit(lambda: self.restarter.refit(item), wait=item is not None)
-        if seconds is not None:  # verified (molt.engines.refit), not during an evaluation (molt.evaluation)
+    async def _refit(self, item: pa.RecordBatch | None = None) -> None:
+        """Refit to ``item`` (None: the newest waiting) once no evaluation runs (molt.evaluation); verified."""
+        if (seconds := await self.evaluator.refit(lambda: self.restarter.refit(item), wait=True)) is not None:
             self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
+        await self.admission.changed()
 
     def close(self) -> None:
         for part in filter(None, (getattr(self, n, None) for n in ("evaluator", "restarter", "server", "engine"))):
             part.close()
+

@@ -321,6 +321,16 @@ class Inbox:
         return None
 
 
+class Trainer(Inbox):
+    """The trainer's weights: its versions as they come, its end of stream only after the rollout ended ``out``
+    (the trainer's last step needs the rollout's last groups)."""
+
+    async def recv(self, timeout_s=None):
+        while len(self.items) == 1 and "end out" not in self.log:
+            await asyncio.sleep(0.01)
+        return await super().recv(timeout_s)
+
+
 class Outbox:
     def __init__(self, log):
         self.log = log
@@ -355,12 +365,13 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
     config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,
                                           max_new_tokens=2, weights_input=True, groups_per_step=2)
     ctx = StageContext("rollout", inputs={"in": Inbox([prompts, None], log, "in"),
-                                          "weights": Inbox([*records, None], log, "weights")},
+                                          "weights": Trainer([*records, None], log, "weights")},
                        outputs={"out": Outbox(log)})
     stage = rollout_stage.Rollout(config, ctx)
     stage.setup()
     asyncio.run(stage.run())
-    assert log.index("end out") < log.index("recv weights"), "out ends before the last versions are taken"
+    last = len(log) - 1 - log[::-1].index("recv weights")
+    assert log.index("end out") < last, "out ends, then the rollout takes versions until the trainer's end"
     assert log.count("recv weights") == 3 and stage.engine.received == [1, 2] and stage.engine.policy_version == 2
     assert log.count("send out") == 2, "both groups sent"
 
@@ -397,6 +408,11 @@ class Weights:
     def latest(self):
         record, self.record = self.record, None
         return record
+
+    async def recv(self, timeout_s=None):  # nothing more comes: the run ends before the trainer does
+        if (record := self.latest()) is not None:
+            return record
+        await asyncio.Event().wait()
 
 
 def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_restarts, deaths=1, broken=Dying,

@@ -24,6 +24,8 @@ version 0 (it fills step 0). With R rollout replicas each paces its share of a s
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 Group = TypeVar("Group")
@@ -49,6 +51,7 @@ class GroupAdmission(Generic[Group]):
         self.dropped: dict[int, int] = {}  # filter replica -> this rollout's groups it dropped (`set_dropped`)
         self.finished: dict[int, Group | None] = {}  # by admission index, until released in order
         self.min_version = 0  # a resumed rollout's: no group starts before its engine is back at this version
+        self._changed = asyncio.Condition()
 
     def admissible(self, version: int) -> bool:
         """Whether a group may start at engine ``version`` (never below ``min_version``)."""
@@ -69,13 +72,25 @@ class GroupAdmission(Generic[Group]):
         grow: an older or repeated notice (one re-sent after a resume) changes nothing."""
         self.dropped[filter_replica] = max(self.dropped.get(filter_replica, 0), num_dropped)
 
-    async def take_drop_notices(self, port: Any) -> None:
-        """`set_dropped` from every notice waiting on a rollout's ``drops`` input (molt.ports.InputPort,
-        rows of molt.schema.DROP_NOTICE_SCHEMA), without waiting; None: no such input."""
-        if port is not None:
-            await port.drain_nowait()
-            for notice in (row for batch in port.take_ready() for row in batch.to_pylist()):
-                self.set_dropped(notice["filter_replica"], notice["num_groups_dropped"])
+    def take_drop_notices(self, notices: list[dict[str, Any]]) -> None:
+        """`set_dropped` of each notice (rows of molt.schema.DROP_NOTICE_SCHEMA, a rollout's ``drops`` input)."""
+        for notice in notices:
+            self.set_dropped(notice["filter_replica"], notice["num_groups_dropped"])
+
+    @property
+    def running(self) -> int:
+        """Groups admitted and not yet finished (0 at a barrier: every admitted group was released)."""
+        return self.num_admitted - self.num_released - len(self.finished)
+
+    async def until(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()`` holds, checked again at each `changed`."""
+        async with self._changed:
+            await self._changed.wait_for(ready)
+
+    async def changed(self) -> None:
+        """Something admission waits on changed: a group finished, new weights, a drop notice."""
+        async with self._changed:
+            self._changed.notify_all()
 
     def admit(self) -> int:
         """The admission index of a new group."""

@@ -73,9 +73,9 @@ class EngineRestarter:
         self._hang_task: asyncio.Task[None] | None = None
 
     async def refit(self, item: Any = None, engine: Engine | None = None) -> float | None:
-        """`refit_from` the weights port into ``engine`` (default: the current one; nothing while a
-        restart is loading a new one), as work in flight on it (`Engine.tracked`); the seconds it
-        took, or None. Remembers the record, which a restarted engine loads: an engine that dies
+        """`refit_from` the weights port (``item``, or a newer record waiting) into ``engine`` (default: the
+        current one; nothing while a restart is loading a new one), as work in flight on it
+        (`Engine.tracked`); the seconds it took, or None. Remembers the record, which a restarted engine loads: an engine that dies
         during the refit is restarted here, with the record it was loading.
 
         Raises:
@@ -85,9 +85,8 @@ class EngineRestarter:
         if self.port is None or engine is None and self.restarting:
             return None
         target, generation = engine or self.engine, self.generation
-        if item is None:  # the newest record waiting, taken here so that a restart still has it
-            await self.port.drain_nowait()
-            item = self.port.latest()
+        await self.port.drain_nowait()  # the newest record waiting (else ``item``), taken here so that a
+        item = self.port.latest() or item  # restart still has it
         if not isinstance(item, pa.RecordBatch):
             return None
         self.weights = item

@@ -1,30 +1,17 @@
 """The trainer publishes its own weights: where a policy version is born (molt.refit: the contract).
 
-After optimizer step k the train stage calls `Publisher.publish` (k+1) on every rank when a
-``weights`` output is subscribed and ``every_steps`` divides the version:
+After optimizer step k the train stage calls `Publisher.publish` (version k+1) on every rank, for each
+subscribed weights output whose ``every_steps`` divides the version:
 
-1) all ranks gather the full Hugging Face-named state dict (a collective:
-   ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, molt.train.model) and score
-   the refit probe, ``probe_tokens`` fixed token ids, at temperature 1 (a forward, so also a
-   collective; `policy_probe`);
-2) rank 0 writes it as one safetensors file in ``dir`` (default: the run's scratch folder in
-   /dev/shm, which the runner removes after the run, so the last files outlive the trainer for
-   the consumers still reading their records; temp name, then an atomic rename), digesting every
-   tensor beside the write, keeps the newest ``keep_versions`` files and returns the weight-version
-   record (molt.schema.WEIGHT_VERSION_SCHEMA) the stage sends on the output.
-
-With ``transport: {type: nccl}`` (CUDA; unverified on GPUs) no file is written: the record (format
-"nccl", the rendezvous uri, every tensor's digest, dtype and shape) goes out first, then rank 0
-broadcasts the tensors to every engine worker over vLLM's weight-transfer API
-(molt.engines.nccl_transfer), waiting until they have taken them; every subscriber of that output
-must then be an engine with ``engine.transport: {type: nccl}`` counted in ``num_engine_workers``.
-An evaluation takes files: publish them on a second output, e.g.
-
-    train:
-      config:
-        publish:
-          weights: {transport: {type: nccl, num_engine_workers: 4}}   # -> rollout.weights
-          eval_weights: {every_steps: 10, keep_versions: 1}          # -> evaluate.weights
+1) all ranks gather the full Hugging Face-named state dict (molt.train.model.full_state_dict, a
+   collective) and score the refit probe at temperature 1 (`policy_probe`: a forward, also collective);
+2) rank 0 writes one safetensors file in ``dir`` (default: the run's scratch folder in /dev/shm, which
+   the runner removes after the run, so the last files outlive the trainer; temp name, then a rename),
+   digests every tensor beside the write, keeps the newest ``keep_versions`` files and sends the
+   weight-version record. With ``transport: {type: nccl}`` (CUDA; unverified on GPUs) the record goes
+   first, then rank 0 broadcasts the tensors to every engine worker (molt.train.nccl_send); an
+   evaluation, which loads files, then takes a second output: ``policy: {weights: {transport: {type:
+   nccl, num_engine_workers: 4}}}`` and ``train.config.publish: {eval_weights: {every_steps: 10}}``.
 
 With tied embeddings only ``model.embed_tokens.weight`` is written, as in the HF folder.
 """
