@@ -275,4 +275,3 @@ async def first_failure(main: asyncio.Task[Any], others: list[asyncio.Task[Any]]
             if not task.cancelled() and task.exception() is not None:
                 main.cancel()
                 raise task.exception()  # type: ignore[misc]
-    main.result()
