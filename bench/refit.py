@@ -78,7 +78,7 @@ async def alternate(model_dir: Path, folder: Path,
             gathered = time.perf_counter()
             probed: list[float] = []
 
-            def probe():  # as the broadcast stage: the probe's forward overlaps the write
+            def probe():  # as the trainer publishes: the probe's forward overlaps the write
                 out = policy_probe(model, probe_ids, atol=1e-3)
                 probed.append(time.perf_counter())
                 return out

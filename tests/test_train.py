@@ -359,7 +359,9 @@ def test_a_lost_group_does_not_stall_an_on_policy_loop(tiny_chat_model, tmp_path
 
 
 def with_evaluation(spec, model):
-    """``rl_pipeline`` plus a held-out evaluation of every version (8 problems, transformers engine)."""
+    """``rl_pipeline`` plus a held-out evaluation of every version (8 problems, transformers engine); the
+    rollout admits on-policy, so it must refit to version 1 before step 1's groups."""
+    spec["stages"]["rollout"]["config"]["max_staleness"] = 0
     spec["stages"]["evaluate"] = {"class": "stages.evaluate.Evaluate", "config": {
         "model": str(model), "engine": {"type": "transformers"}, "max_new_tokens": 4,
         "task": {"type": "arithmetic", "split": "eval", "num_problems": 8}}}
