@@ -211,8 +211,8 @@ def test_vlm_rl_on_a_tiny_qwen3_vl_moe_trains_with_routing_replay_and_verified_r
     stages["source"]["config"]["task"]["num_problems"] = 8
     engine = {"type": "transformers", "record_routing": True}
     spec["policy"].update(model=str(tiny_qwen_vl), groups_per_step=4)
-    stages["rollout"]["config"].update(engine=engine, group_size=2, max_concurrent_groups=4, seed=1,
-                                       env="tests.doubles.agents.LetterShareEnv")
+    stages["rollout"]["config"].update(engine=engine, group_size=2, max_concurrent_groups=4, seed=1, max_staleness=0,
+                                       env="tests.doubles.agents.LetterShareEnv")  # on-policy: it must refit
     stages["train"]["config"].update(compute_dtype="float32", routing_replay_compare=True)
     stages["evaluate"]["config"].update(every_versions=2, engine={"type": "transformers"})
     stages["evaluate"]["config"]["task"]["num_problems"] = 4
