@@ -13,7 +13,7 @@ prompt group key never repeats within a run. ``state_dict()`` is the cursor
 the next prompt. ``checkpoint_every_batches: k`` emits a checkpoint ``Barrier(b)``
 after every k-th batch (b = batches emitted so far; molt.checkpoint), which is what
 ``molt run --resume`` restarts from; with ``k * prompts_per_batch`` a multiple of the
-rollout's ``groups_per_step`` each checkpoint falls on an optimizer-step boundary.
+pipeline's ``policy.groups_per_step`` each checkpoint falls on an optimizer-step boundary.
 Example: 5 records, ``prompts_per_batch: 2``, one epoch -> batches of 2, 2, 1 rows.
 
     source:
