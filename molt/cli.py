@@ -71,8 +71,7 @@ def check_torchvision() -> None:
 def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> int:
     """Run ``pipe`` in ``run_dir`` (new or empty unless ``resume`` is True; a checkpoint
     folder as ``resume`` restores a new run's stages from it)."""
-    from molt.requires import make_required
-    from molt.runner import Runner, default_run_dir
+    from molt.runner import Runner, default_run_dir, make_required
 
     check_torchvision()
     pipe.preflight()

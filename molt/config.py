@@ -40,8 +40,6 @@ def load_yaml(path: Path, _derived: tuple[Path, ...] = ()) -> dict[str, Any]:
     if file in (*_derived, path.resolve()):
         raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a circle")
     parent = load_yaml(file, (*_derived, path.resolve()))
-    from molt.requires import beside
-
     beside(parent, file)  # the base's requires: from its own folder
     gone = {sid for sid, stage in (data.get("stages") or {}).items() if stage is None}
     merged = _merge(parent, data)
@@ -176,3 +174,20 @@ def import_class(path: str, where: str) -> type:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{where}: module {module_name!r} has no class {attr!r}{hint}")
     return getattr(module, attr)
+
+
+def beside(data: dict[str, Any], path: Path) -> None:
+    """Make the pipeline files of ``data["requires"]`` (a pipeline YAML's, in place) absolute paths
+    from the folder of ``path``, that YAML (not from where ``molt run`` starts): a run's resolved
+    ``pipeline.yaml``, which its processes load, names the same files."""
+    if isinstance(data.get("requires"), dict):
+        data["requires"] = {k: str((path.parent / v).resolve()) if isinstance(v, str) else v
+                            for k, v in data["requires"].items()}
+
+
+def check_requires(requires: dict[str, str], source: str) -> None:
+    """Raises ValueError naming ``requires.NAME`` unless NAME is a model name and its file exists."""
+    for name, file in requires.items():
+        if "/" in name or not Path(file).is_file():
+            raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing pipeline file; "
+                             f"got {name!r}: {file!r}; hint: requires: {{MODEL_NAME: other_pipeline.yaml}}")

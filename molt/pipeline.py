@@ -31,10 +31,9 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from molt.config import apply_override, import_class, load_yaml, validate
+from molt.config import apply_override, beside, check_requires, import_class, load_yaml, validate
 from molt.placement import PlacementSpec, check_placement
 from molt.policy import PolicySpec, apply_policy, check_group_filters, filled
-from molt.requires import beside, check_requires
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 from molt.targets import StopWhen, check_metric_keys
@@ -132,7 +131,7 @@ class PipelineSpec(BaseModel):
                                      "or Ray actors")
     requires: dict[str, str] = Field(default_factory=dict, description="models this pipeline starts from that "
                                      "another pipeline makes: model name -> that pipeline's YAML (relative to this "
-                                     "file); molt run runs it first when the model is not in the cache (molt.requires)")
+                                     "file); molt run runs it first when the model is not in the cache (molt.runner.make_required)")
     policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
                                description="what sampling and training agree on, stated once (molt.policy)")
     stages: dict[str, StageSpec]
@@ -355,7 +354,7 @@ def _check_graph(pipe: Pipeline) -> None:
     for sid in pipe.stages:  # feedback inputs, now that every schema is known
         _check_inputs(pipe, sid)
     check_group_filters(pipe)
-    check_placement(pipe)
+    check_placement(pipe.spec.placement, {sid: n.world_size for sid, n in pipe.stages.items()}, src)
     check_metric_keys(pipe.spec.stop_when, pipe.spec.keep_best, pipe.stages, src)
 
 

@@ -41,13 +41,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from molt.pipeline import Pipeline
 
 FORWARDED_ENV = ("MOLT_", "HF_", "VLLM_", "NCCL_")  # the runner's variables a remote launcher passes on
 
@@ -85,29 +82,27 @@ class PlacementError(RuntimeError):
         self.stage = stage
 
 
-def check_placement(pipe: Pipeline) -> None:
+def check_placement(spec: PlacementSpec, world_sizes: dict[str, int], source: str) -> None:
     """Raises ValueError naming ``placement.backend`` when ray is not installed, or
-    ``placement.stages.<id>`` for an unknown stage, a ``nodes`` that does not divide
-    ``world_size``, or ``nodes > 1`` on the local backend."""
+    ``placement.stages.<id>`` for a stage not in ``world_sizes`` (stage id -> torchrun ranks),
+    a ``nodes`` that does not divide its ``world_size``, or ``nodes > 1`` on the local backend."""
     import importlib.util
 
-    spec = pipe.spec.placement
     if spec.backend == "ray" and importlib.util.find_spec("ray") is None:
-        raise ValueError(f"{pipe.source}: placement.backend: 'ray' needs the ray package; hint: "
+        raise ValueError(f"{source}: placement.backend: 'ray' needs the ray package; hint: "
                          "pip install -e '.[ray]' (or pip install ray)")
     for sid, p in spec.stages.items():
-        where = f"{pipe.source}: placement.stages.{sid}"
-        if sid not in pipe.stages:
-            raise ValueError(f"{where}: no such stage; stages: {sorted(pipe.stages)}")
-        node = pipe.stages[sid]
+        where = f"{source}: placement.stages.{sid}"
+        if sid not in world_sizes:
+            raise ValueError(f"{where}: no such stage; stages: {sorted(world_sizes)}")
         if p.nodes > 1 and spec.backend == "local":
             raise ValueError(f"{where}.nodes: {p.nodes} nodes need a multi-node backend (placement.backend: ray)")
-        if p.nodes > 1 and node.world_size == 1:
+        if p.nodes > 1 and world_sizes[sid] == 1:
             raise ValueError(f"{where}.nodes: spreads a torchrun group's ranks over nodes, and {sid} is one process "
                              f"per replica (world_size 1); hint: replicas spread by themselves, nodes is for "
                              "stages with world_size > 1")
-        if node.world_size % p.nodes:
-            raise ValueError(f"{where}.nodes: {p.nodes} nodes do not split world_size {node.world_size} evenly")
+        if world_sizes[sid] % p.nodes:
+            raise ValueError(f"{where}.nodes: {p.nodes} nodes do not split world_size {world_sizes[sid]} evenly")
 
 
 def free_port(host: str) -> int:

@@ -33,7 +33,8 @@ that was not just an upstream error -- with the stage id and traceback, and the 
 exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
 also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
-A run's targets (molt.targets): it stops the same way, ok, once ``stop_when`` is met; ``keep_best``
+Models the pipeline ``requires:`` are made first, by running the pipelines that make them
+(`make_required`). A run's targets (molt.targets): it stops the same way, ok, once ``stop_when`` is met; ``keep_best``
 spares checkpoints from pruning.
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -328,3 +330,47 @@ def default_run_dir(pipe: Pipeline) -> Path:
     if pipe.spec.run_dir:
         return Path(pipe.spec.run_dir)
     return Path("runs") / f"{pipe.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def make_required(pipe: Pipeline, run_dir: Path) -> int:
+    """Make every model of ``pipe.spec.requires`` that the cache lacks; returns 0, or the exit code
+    of the required run that did not finish (130: interrupted).
+
+        requires: {shapes-vlm-moe-sft: sft.yaml}   # model name -> the pipeline that writes it (beside this file)
+
+    A required model missing from the model cache (molt.models.default_cache_dir) is made by running its
+    pipeline to the end (its own ``requires:`` first) in ``RUN_DIR/requires/NAME``, under a file lock in
+    the cache, so that runs starting together (a sweep's seeds) make it once. The pipeline must write the
+    model under that name (a train stage's ``export_model: NAME``); delete its cache folder to remake it.
+
+    Raises:
+        ValueError: a required pipeline finished without writing its model, naming the key.
+    """
+    from filelock import FileLock
+
+    from molt.models import default_cache_dir
+
+    cache = default_cache_dir()
+    for name, source in pipe.spec.requires.items():
+        made = cache / name / "config.json"
+        if made.is_file():
+            continue
+        cache.mkdir(parents=True, exist_ok=True)
+        with FileLock(cache / f".lock-{name}"):
+            if made.is_file():  # made by another run while this one waited
+                continue
+            required, where = Pipeline.from_yaml(source), Path(run_dir) / "requires" / name
+            if where.exists():
+                log.warning("removing the unfinished run that was making %s: %s", name, where)
+                shutil.rmtree(where)
+            log.info("%s requires the model %s, which %s makes: running it first in %s", pipe.source, name,
+                     source, where)
+            if (code := make_required(required, where) or Runner(required, where).run()) != 0:
+                log.error("the run making %s (requires.%s: %s) ended with exit code %d: %s", name, name, source,
+                          code, where)
+                return code
+            if not made.is_file():
+                raise ValueError(f"{pipe.source}: requires.{name}: {source} finished without writing the model "
+                                 f"{name!r} into {cache}; hint: its train stage's export_model must be {name!r}")
+            log.info("model %s made: %s", name, made.parent)
+    return 0

@@ -6,7 +6,7 @@ own output in ``DIR/seed_K.log``): one after another, each with the machine to
 itself; all at once when the pipeline places its processes on Ray (``placement.backend:
 ray``), each run reserving its own placement on the cluster. One live table shows every
 seed (state, minutes, its latest ``results:`` values); off a terminal, a line per change.
-Models the pipeline ``requires:`` are made first, once, in ``DIR/requires/`` (molt.requires),
+Models the pipeline ``requires:`` are made first, once, in ``DIR/requires/`` (molt.runner.make_required),
 so no seed's time includes them.
 
 Started again with the same pipeline and ``--set`` values (and any ``--seeds``), it keeps
@@ -55,7 +55,7 @@ from molt.checkpoint import complete_checkpoints, replica_names
 from molt.metrics import get_logger
 from molt.pipeline import Pipeline
 from molt.placement import start_child, stop_signals_deferred
-from molt.requires import make_required
+from molt.runner import make_required
 from molt.stats import first_reach, summarize
 
 log = get_logger("sweep")

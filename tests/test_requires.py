@@ -1,4 +1,4 @@
-"""`requires:` (molt.requires): a pipeline names the pipeline that makes a model it starts from;
+"""`requires:` (molt.runner.make_required): a pipeline names the pipeline that makes a model it starts from;
 `molt run` and `molt sweep` make that model first, once, when the cache lacks it."""
 
 import json

@@ -163,7 +163,7 @@ class Scorer(Transform):
 
 class ModelMaker(Counter):
     """A sink that, at the end of its input, writes a stand-in model folder (config.json holding
-    the rows it saw) where a train stage's ``export_model: name`` would (molt.requires' tests)."""
+    the rows it saw) where a train stage's ``export_model: name`` would (tests/test_requires.py)."""
 
     class Config(StageConfig):
         name: str
