@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from molt.config import apply_override, load_yaml
+from molt.config import apply_override, differing_keys, load_yaml
 from molt.pipeline import Pipeline
 from molt.placement import catch_stop_signals
 from molt.recording import edge_dirname as edge_dir
@@ -39,9 +39,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipe = Pipeline.from_yaml(args.pipeline, args.set + ([] if args.seed is None else [f"seed={args.seed}"]))
     if args.resume and args.run_dir:
         raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; hint: pass only --resume")
-    saved = Path(args.resume or "", "pipeline.yaml")
-    if args.resume and saved.is_file() and (seed := (yaml.safe_load(saved.read_text()) or {}).get("seed", 0)) != pipe.spec.seed:
-        raise ValueError(f"--resume {args.resume}: the run has seed {seed}; got {pipe.spec.seed}; hint: --seed {seed}")
+    if args.resume and (saved := Path(args.resume, "pipeline.yaml")).is_file():  # the run goes on as it started
+        if (seed := (was := yaml.safe_load(saved.read_text()) or {}).get("seed", 0)) != pipe.spec.seed:
+            raise ValueError(f"--resume {args.resume}: the run has seed {seed}; got {pipe.spec.seed}; hint: --seed {seed}")
+        if keys := differing_keys(was, yaml.safe_load(yaml.safe_dump(pipe.to_dict(), sort_keys=False))):
+            raise ValueError(f"--resume {args.resume}: the pipeline differs from the run's ({saved}) at "
+                             f"{', '.join(keys[:4])}; hint: the file and --set values it started with, or "
+                             f"molt run {saved} --resume {args.resume}")
     return _run(pipe, args.resume or args.run_dir, resume=bool(args.resume))
 
 

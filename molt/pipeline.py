@@ -207,6 +207,7 @@ class Pipeline:
         apply_policy(spec.policy, {sid: n.config for sid, n in stages.items()}, source)  # warns of mismatches
         edges = [_build_edge(i, e, stages, source) for i, e in enumerate(spec.edges)]
         pipe = cls(spec, source, stages, edges)
+        _follow_world_size(pipe)
         _check_graph(pipe)
         return pipe
 
@@ -330,6 +331,21 @@ def _build_edge(i: int, e: EdgeConfig, stages: dict[str, StageNode], source: str
     src, sp = _endpoint(e.from_, stages, True, f"{source}: edges[{i}].from")
     dst, dp = _endpoint(e.to, stages, False, f"{source}: edges[{i}].to")
     return Edge(i, src, sp, dst, dp, e)
+
+
+def _follow_world_size(pipe: Pipeline) -> None:
+    """A config field marked ``{"follows": "world_size"}`` (the pack stage's: the ranks it plans a step for)
+    takes the ``world_size`` of the stage its output feeds; stated otherwise, an error naming both keys."""
+    for sid, n in pipe.stages.items():
+        for name in (k for k, f in type(n.config).model_fields.items() if f.json_schema_extra == {"follows": "world_size"}):
+            for dst in sorted({e.dst for e in pipe.edges if e.src == sid}):
+                have, ranks = getattr(n.config, name), pipe.stages[dst].world_size
+                if name not in n.config.model_fields_set:
+                    setattr(n.config, name, ranks)
+                elif have != ranks:
+                    raise ValueError(f"{pipe.source}: stages.{sid}.config.{name} is {have} but stages.{dst}.world_size "
+                                     f"is {ranks}: rows planned for a missing rank would never train; hint: leave "
+                                     f"stages.{sid}.config.{name} out, it follows stages.{dst}.world_size")
 
 
 def _check_graph(pipe: Pipeline) -> None:

@@ -290,8 +290,9 @@ def probe_token_ids(vocab_size: int, num_tokens: int = 32) -> list[int]:
     return torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist()
 
 
-def check_probe(version: int, probe: Probe, engine_logprobs: list[float]) -> None:
-    """Step 3: the engine's probe logprobs [P-1] must be within ``probe.atol`` of the trainer's.
+def check_probe(version: int, probe: Probe, engine_logprobs: list[float]) -> float:
+    """Step 3: the engine's probe logprobs [P-1] must be within ``probe.atol`` of the trainer's;
+    returns the largest difference.
 
     Raises:
         RuntimeError: naming the version, the largest difference and its position.
@@ -303,7 +304,7 @@ def check_probe(version: int, probe: Probe, engine_logprobs: list[float]) -> Non
              - torch.tensor(probe.logprobs, dtype=torch.float64)).abs()  # [P-1]
     diffs = torch.where(diffs.isnan(), torch.inf, diffs)  # a NaN fails too
     if diffs.numel() == 0 or float(diffs.max()) <= probe.atol:
-        return
+        return float(diffs.max()) if diffs.numel() else 0.0
     index = int(diffs.argmax())
     position = index + 1  # position in the probe sequence of the scored token
     raise RuntimeError(

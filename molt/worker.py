@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_path = Path(run_dir)
     name = f"{stage_id}.{replica}" + (f".rank{rank}" if world_size > 1 else "")
+    logging.basicConfig(format=f"%(asctime)s [{name} %(name)s] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("molt").setLevel(logging.INFO)  # the modules' INFO (refits verified, versions published)
     try:
         pipe = Pipeline.from_yaml(run_path / "pipeline.yaml")
         wiring = json.loads((run_path / "wiring.json").read_text())

@@ -26,8 +26,7 @@ End of stream: a partial step (fewer than ``groups_per_step`` groups) is dropped
 counted (``groups_dropped``), unless ``flush_partial: true`` trains it as a smaller
 step. Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
 
-    pack: {class: stages.pack.Pack, config: {groups_per_step: 8, world_size: 2,
-           max_tokens_per_micro_batch: 4096}}
+    pack: {class: stages.pack.Pack, config: {max_tokens_per_micro_batch: 4096}}  # world_size: the train stage's
 """
 
 from __future__ import annotations
@@ -63,7 +62,8 @@ class Pack(Service):
     class Config(StageConfig):
         groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="prompt groups per optimizer "
                                             "step (molt.policy: policy.groups_per_step)")
-        world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage")
+        world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage; unset: the world_size "
+                                "of the stage it feeds (molt.pipeline)", json_schema_extra={"follows": "world_size"})
         max_tokens_per_micro_batch: int = Field(4096, ge=1, description="token budget of one packed forward")
         flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")
 

@@ -1,15 +1,14 @@
 """Rollout: samples ``group_size`` rollouts per prompt and emits each group whole.
 
-Prompts (``prompt_id`` + ``metadata`` JSON) on ``in`` become ``group_size`` concurrent episodes each, of the ``env`` or
-``agent`` (OpenAI SDK code) on one engine: token ids, logprobs and versions go from the engine to the record untouched.
-One task admits groups, one sends finished ones in the order they started, the i-th once the engine is at version >= i
-// groups_per_step - max_staleness (molt.agents.admission; a group dropped downstream, told on ``drops``, gives up its
-place), one refits to each newest weight record on ``weights`` (verified; after ``out``, until the weights end, if they
-stream (nccl) or with ``evaluate:``, evaluations on this engine: molt.evaluation). Checkpoint: admission counters,
-versions evaluated and the engine's version, which a resumed rollout waits for. A rollout whose env or agent raises or
-whose prompt is over the context window fails (``rollouts_failed``); a group with none left is lost (``groups_lost``),
-the next takes its place; if none succeeds (checked after a step's worth of lost groups, and at the end) the stage
-fails. A dead or hung engine is restarted, its groups rerun (molt.engines.restart).
+Prompts (``prompt_id`` + ``metadata`` JSON) on ``in`` become ``group_size`` concurrent episodes each, of the ``env``
+or ``agent`` (OpenAI SDK code) on one engine: token ids, logprobs and versions go from the engine to the record as is.
+Its tasks: `_admit` starts group i once the engine is at version >= i // groups_per_step - max_staleness
+(molt.agents.admission); `_send_in_order` sends groups in the order they started; `_listen` refits (verified) to the
+newest record on ``weights`` and takes drop notices on ``drops``. With streamed (nccl) weights or ``evaluate:``
+(molt.evaluation) refits go on after ``out`` ends. Checkpoint: admission counters, versions evaluated and the engine's
+version, which a resumed rollout waits for. A rollout that raises or whose prompt is over the context window fails
+(``rollouts_failed``); a group with none left is lost (``groups_lost``), the next takes its place; none succeeding (after
+a step's worth of lost groups, or at the end) fails the stage. A dead or hung engine is restarted (molt.engines.restart).
 """
 
 from __future__ import annotations
@@ -113,11 +112,12 @@ class Rollout(Service):
         await self.evaluator.finish()
 
     async def _admit(self) -> None:
-        """A group per prompt while there is room and staleness allows; every group sent at a barrier and the end."""
+        """A group per prompt while there is room and staleness allows; a barrier, and the end, wait until
+        every group started was sent (`_send_in_order`)."""
         a, room = self.admission, self.config.max_concurrent_groups
         while (item := await self.recv("in")) is not None:
             if isinstance(item, Barrier):  # drain what started before it, then forward it
-                await a.until(lambda: a.num_released == a.num_admitted)
+                await a.until(lambda: a.drained)
                 await self.barrier(item.step)
                 continue
             for prompt_id, task in read_prompts(item):
@@ -127,7 +127,7 @@ class Rollout(Service):
                 self.groups.add(group)  # a reference until it ends; then (index, rows) or its error to send
                 group.add_done_callback(lambda t: t.cancelled() or self.finished.put_nowait(t.exception() or t.result()))
                 group.add_done_callback(self.groups.discard)
-        await a.until(lambda: a.num_released == a.num_admitted)
+        await a.until(lambda: a.drained)
 
     async def _send_in_order(self) -> None:
         """Send finished groups in admission order (a lost group, None, sends nothing); raise a group's error."""
@@ -137,6 +137,7 @@ class Rollout(Service):
             lost = self.admission.num_lost
             for batch in self.admission.finish([done]):
                 await self.send("out", batch)
+            self.admission.sent()
             self.metrics.count("groups_lost", self.admission.num_lost - lost)
             self._check_failures()
             await self.admission.changed()
@@ -190,8 +191,7 @@ class Rollout(Service):
 
     async def _refit(self, item: pa.RecordBatch | None = None) -> None:
         """Refit to ``item`` (None: the newest waiting) once no evaluation runs (molt.evaluation); verified."""
-        if (seconds := await self.evaluator.refit(lambda: self.restarter.refit(item), wait=True)) is not None:
-            self.metrics.log({"refit_seconds": seconds, "policy_version": self.engine.policy_version})
+        await self.evaluator.refit(lambda: self.restarter.refit(item), wait=True)  # logs refit_seconds
         await self.admission.changed()
 
     def close(self) -> None:

@@ -111,7 +111,7 @@ class Train(Service):
         self.resumed = False
         self.watch = CollapseWatch(c.collapse, key)
         outputs = {"weights": (c.weights, "weights"), **{p: (v, f"publish.{p}") for p, v in c.publish.items()}}
-        self.publishers = {port: Publisher(cfg, self.model, self.ctx.rank, f"{key}.{where}", self.log)
+        self.publishers = {port: Publisher(cfg, self.model, self.ctx.rank, f"{key}.{where}")
                            for port, (cfg, where) in outputs.items() if port in self.ctx.subscribed}
 
     async def run(self) -> None:

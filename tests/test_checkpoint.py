@@ -8,6 +8,7 @@ import sys
 import pyarrow as pa
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from molt.checkpoint import complete_checkpoints, latest_checkpoint, prune_checkpoints, replica_names
@@ -87,7 +88,7 @@ def test_a_resumed_run_delivers_every_row_exactly_once(tmp_path, no_orphans):
 
 def test_resume_refuses_a_run_without_a_complete_checkpoint(tmp_path):
     (tmp_path / "run" / "checkpoints" / "barrier_1").mkdir(parents=True)
-    (tmp_path / "run" / "pipeline.yaml").write_text("")
+    (tmp_path / "run" / "pipeline.yaml").write_text(yaml.safe_dump(Pipeline.from_yaml("pipelines/smoke.yaml").to_dict()))
     out = subprocess.run([*MOLT, "run", "pipelines/smoke.yaml", "--resume", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2

@@ -233,3 +233,14 @@ def test_a_pipeline_written_for_the_broadcast_stage_is_refused_with_the_way_over
     with pytest.raises(ValueError, match=r"quickstart.yaml \(with --set .*\): stages.train.config.publish.weights: "
                                          r"an output of its own"):
         Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.train.config.publish={weights: {}}"])
+
+
+def test_the_pack_stage_plans_for_the_world_size_of_the_train_stage_it_feeds():
+    """Rows planned for a rank the trainer lacks would never train: the pack's world_size follows the train
+    stage's, and a pack stating another is refused naming both keys."""
+    pipe = Pipeline.from_yaml("pipelines/grpo_arithmetic.yaml", ["stages.train.world_size=1"])
+    assert pipe.stages["pack"].config.world_size == 1
+    assert Pipeline.from_yaml("pipelines/grpo_arithmetic.yaml").stages["pack"].config.world_size == 2
+    with pytest.raises(ValueError, match=r"stages.pack.config.world_size is 2 but stages.train.world_size is 1: "
+                                         r"rows planned for a missing rank would never train; hint: leave"):
+        Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.pack.config.world_size=2"])

@@ -130,8 +130,8 @@ def test_a_refit_whose_file_a_newer_version_replaced_takes_the_newer_one(tiny_ch
     port = FakeWeightsPort(v1, v2)
     assert asyncio.run(refit_from(engine, port, port.batches[0])) is not None and engine.policy_version == 2
     with pytest.raises(FileNotFoundError, match=r"weights of version 3 are gone: .*v3.safetensors was deleted"):
-        asyncio.run(refit_from(engine, FakeWeightsPort({**v2, "policy_version": 3,
-                                                        "uri": f"file://{tmp_path}/v3.safetensors"})))
+        port = FakeWeightsPort({**v2, "policy_version": 3, "uri": f"file://{tmp_path}/v3.safetensors"})
+        asyncio.run(refit_from(engine, port, port.batches[0]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.safetensors"]  # no pin left behind
 
 

@@ -551,3 +551,51 @@ def test_a_new_engine_that_hangs_in_its_first_refit_is_replaced_in_turn(tiny_cha
     assert len(started) == 3 and started[1].killed.startswith("the engine hung") and started[2].policy_version == 1
     assert len(rows) == 8 and {v for r in rows for v, m in zip(r["policy_version"], r["loss_mask"]) if m} == {1}
     assert stage.metrics.counters["engine_hangs"] == 2 and stage.metrics.counters["engine_restarts"] == 2
+
+
+def test_a_barrier_and_the_end_wait_for_every_group_to_be_sent_not_only_finished(tiny_chat_model, monkeypatch):
+    """A send may wait for credit after its group was released: a barrier that overtook it would checkpoint
+    the group as done and lose it on resume, and the end would cancel the send (the group lost for good)."""
+    import pyarrow as pa
+
+    import stages.rollout as rollout_stage
+    from molt.edges import Barrier
+    from molt.stage import StageContext
+
+    log: list[str] = []
+
+    class SlowOutbox(Outbox):
+        async def send(self, batch):
+            log.append("sending")
+            await asyncio.sleep(0.3)  # waiting for credit
+            log.append("send out")
+
+    class LateInbox(Inbox):
+        """Each item once so many sends have started: the barrier once both groups before it were released
+        (the second being sent), the end once the last group is being sent."""
+
+        async def recv(self, timeout_s=None):
+            while log.count("sending") < {4: 0, 3: 2, 2: 2, 1: 3}[len(self.items)]:
+                await asyncio.sleep(0.01)
+            return await super().recv(timeout_s)
+
+    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed:
+                        TransformersEngine(model_dir))
+    prompts = pa.record_batch({"prompt_id": ["p0", "p1"], "metadata": [json.dumps({"prompt": "2+2?"})] * 2})
+    config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,
+                                          max_new_tokens=2, groups_per_step=2)
+    prompts2 = pa.record_batch({"prompt_id": ["p2"], "metadata": [json.dumps({"prompt": "3+3?"})]})
+    ctx = StageContext("rollout", inputs={"in": LateInbox([prompts, Barrier(1), prompts2, None], [], "in")},
+                       outputs={"out": SlowOutbox(log)})
+    stage = rollout_stage.Rollout(config, ctx)
+    stage.setup()
+
+    async def barrier(step):
+        log.append("barrier")
+
+    stage.barrier = barrier
+    try:
+        asyncio.run(stage.run())
+    finally:
+        stage.close()
+    assert log == ["sending", "send out"] * 2 + ["barrier", "sending", "send out"], log

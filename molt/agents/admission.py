@@ -48,6 +48,7 @@ class GroupAdmission(Generic[Group]):
                              f"{replicas} rollout replicas, each of which paces its share")
         self.groups_per_step, self.max_staleness = groups_per_step // replicas, max_staleness
         self.num_admitted = self.num_released = self.num_lost = 0  # released counts lost ones too
+        self.num_sent = 0  # released groups the rollout has sent (`sent`): a barrier waits for them all
         self.dropped: dict[int, int] = {}  # filter replica -> this rollout's groups it dropped (`set_dropped`)
         self.finished: dict[int, Group | None] = {}  # by admission index, until released in order
         self.min_version = 0  # a resumed rollout's: no group starts before its engine is back at this version
@@ -110,12 +111,21 @@ class GroupAdmission(Generic[Group]):
             self.num_released += 1
         return out
 
+    def sent(self) -> None:
+        """The rollout sent every group `finish` released so far (a send may wait for credit)."""
+        self.num_sent = self.num_released
+
+    @property
+    def drained(self) -> bool:
+        """Every admitted group released and sent: a barrier, or the end, may pass."""
+        return self.num_sent == self.num_admitted
+
     def state_dict(self) -> dict[str, Any]:
         """Counters at a barrier (nothing in flight: every admitted group was released)."""
         return {"num_groups": self.num_admitted, "num_lost": self.num_lost,
                 "num_dropped": {str(r): n for r, n in self.dropped.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_admitted = self.num_released = int(state["num_groups"])
+        self.num_admitted = self.num_released = self.num_sent = int(state["num_groups"])
         self.num_lost = int(state.get("num_lost", 0))
         self.dropped = {int(r): int(n) for r, n in state.get("num_dropped", {}).items()}

@@ -104,17 +104,18 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
         logger.warning("refit to version %d: the record has no probe; only digests were verified", version)
         return True
     after = await engine.prompt_logprobs(probe.token_ids)
-    check_probe(version, probe, after)
-    if before is not None and after == before:  # identical weights are the only excuse
+    largest = check_probe(version, probe, after)
+    if before is not None and after == before:  # identical weights are the only excuse (their digests asked only then)
         check_probe_changed(version, before, after, _same_weights(sent, held or engine.source_weight_digests()))
     engine.last_probe = (probe.token_ids, after)
+    logger.info("refit to version %d verified: %d tensor digests equal the trainer's; probe |engine - trainer| "
+                "<= %.2g (tolerance %g)", version, len(sent), largest, probe.atol)
     return True
 
 
-async def refit_from(engine: Engine, port: Any, item: Any = None) -> tuple[float, pa.RecordBatch] | None:
-    """`apply_weight_record` of ``item`` if it is a record batch, else (``item`` None) of the
-    newest one waiting on broadcast input ``port`` (molt.ports.InputPort); the seconds it took
-    and the record batch applied, or None if there was nothing newer to apply.
+async def refit_from(engine: Engine, port: Any, item: pa.RecordBatch) -> tuple[float, pa.RecordBatch] | None:
+    """`apply_weight_record` of record batch ``item``, from broadcast input ``port`` (molt.ports.InputPort);
+    the seconds it took and the record batch applied, or None if it was not newer.
 
     The record's file is pinned first (`pinned`): a trainer that keeps few versions may delete
     it once a newer one is written; then the newest record waiting on ``port`` is applied
@@ -123,9 +124,6 @@ async def refit_from(engine: Engine, port: Any, item: Any = None) -> tuple[float
     Raises:
         FileNotFoundError: the file is gone and no newer record waits.
     """
-    if item is None:
-        await port.drain_nowait()
-        item = port.latest()
     start = time.monotonic()
     while isinstance(item, pa.RecordBatch):
         record = item.to_pylist()[-1]

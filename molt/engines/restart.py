@@ -100,6 +100,7 @@ class EngineRestarter:
         if done is None:
             return None
         self.weights = done[1]  # a newer one if the file of the first was gone (refit_from)
+        self.metrics.log({"refit_seconds": done[0], "policy_version": target.policy_version})
         return done[0]
 
     async def retrying(self, attempt: Callable[[], Awaitable[T]], counter: str = "groups_retried") -> T:

@@ -48,16 +48,14 @@ logger = logging.getLogger(__name__)
 class Publisher:
     """Publishes one output's weight versions (module docstring); one per subscribed output, on every rank."""
 
-    def __init__(self, config: PublishConfig, model: PolicyModel, rank: int, where: str,
-                 log: logging.Logger = logger):
-        """``where``: the YAML key of ``config`` (errors name it); ``log``: the stage's. Rank 0 of shm makes
-        its folder.
+    def __init__(self, config: PublishConfig, model: PolicyModel, rank: int, where: str):
+        """``where``: the YAML key of ``config`` (errors name it). Rank 0 of shm makes its folder.
 
         Raises:
             ValueError: a transport this process cannot use (molt.refit.check_transport).
         """
         check_transport(config.transport, f"{where}.transport")
-        self.config, self.model, self.rank, self.log = config, model, rank, log
+        self.config, self.model, self.rank = config, model, rank
         self.folder: Path | None = None
         self.sender: NCCLSender | None = None  # rank 0 with nccl, at the first publication (on its GPU by then)
         self.written: list[Path] = []
@@ -69,7 +67,7 @@ class Publisher:
                 Path(config.dir).mkdir(parents=True, exist_ok=True)
                 self.folder = Path(tempfile.mkdtemp(prefix="molt-weights-", dir=config.dir))
         if config.probe_tokens < 2:
-            log.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
+            logger.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
 
     def due(self, version: int) -> bool:
         """Whether version ``version`` is published (``every_steps`` divides it)."""
@@ -99,7 +97,7 @@ class Publisher:
             self._prune(Path(record["uri"].removeprefix("file://")))
             await send(batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
         self.seconds = time.monotonic() - start
-        self.log.info("published version %d: %d tensors, %.1f MB in %.2fs (probe %.2fs)", version, len(state),
+        logger.info("published version %d: %d tensors, %.1f MB in %.2fs (probe %.2fs)", version, len(state),
                     record["num_bytes"] / 1e6, self.seconds, self.probe_seconds)
 
     def _probe(self) -> Probe | None:
