@@ -30,18 +30,24 @@ def load_yaml(path: Path, _derived: tuple[Path, ...] = ()) -> dict[str, Any]:
     smollm2-135m-instruct-moe}`` is the quickstart with a MoE policy (``molt graph --resolved``).
 
     Raises:
-        ValueError: missing file, not UTF-8, invalid YAML, not a mapping, or bases that form a
-            circle (naming the file).
+        ValueError: missing file, not UTF-8, invalid YAML, not a mapping, a base that is not a file,
+            bases that form a circle, or a stage removed that the base lacks (naming the file and key).
     """
     data = _read_yaml(path)
     if (base := data.pop("base", None)) is None:
         return data
     file = (path.parent / str(base)).resolve()
+    if not isinstance(base, str) or not file.is_file():
+        raise ValueError(f"{path}: base: {base!r} is not a pipeline file (a path relative to {path.parent})")
     if file in (*_derived, path.resolve()):
-        raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a circle")
+        raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a circle; hint: "
+                         "a base names a more general pipeline, never one derived from this file")
     parent = load_yaml(file, (*_derived, path.resolve()))
     beside(parent, file)  # the base's requires: from its own folder
     gone = {sid for sid, stage in (data.get("stages") or {}).items() if stage is None}
+    if unknown := sorted(gone - set(parent.get("stages") or {})):
+        raise ValueError(f"{path}: stages.{unknown[0]}: null removes a stage of the base, and {base} has no stage "
+                         f"{unknown[0]!r}; stages: {sorted(parent.get('stages') or {})}")
     merged = _merge(parent, data)
     merged["stages"] = {sid: stage for sid, stage in merged.get("stages", {}).items() if sid not in gone}
     if gone and "edges" not in data:

@@ -77,7 +77,7 @@ class StageSpec(BaseModel):
         if isinstance(data, dict) and (data.get("colocate_with") or data.get("class") == "stages.broadcast.Broadcast"):
             raise ValueError("the broadcast stage (colocate_with: train) is gone: the train stage publishes its own "
                              "weights; hint: remove this stage, connect {from: train.weights, to: rollout.weights, "
-                             "kind: broadcast, feedback: true} and move its config to policy.weights (molt.train.publish)")
+                             "kind: broadcast, feedback: true} and move its config to policy.weights (molt.refit.PublishConfig)")
         return data
 
 

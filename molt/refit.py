@@ -50,7 +50,7 @@ The probe checks the function itself, on P fixed tokens x[0..P-1]:
 A failure raises RuntimeError with the version, the largest difference and its
 position; the rollout stage then fails and the run stops.
 
-Tolerance (``probe_atol`` of molt.train.publish; by default from the dtype the
+Tolerance (``policy.weights.probe_atol``, `PublishConfig`; by default from the dtype the
 trainer's forward computed in): the fp32 vLLM engine against the fp32 trainer
 differs by at most 2e-5 to 6e-5 on the 32 probe tokens here, so fp32 gets 1e-3;
 after one step at lr 1e-4 an engine whose tied lm_head stayed stale differed by
@@ -203,8 +203,8 @@ def worker_init_info(uri: str, rank_offset: int, workers_per_engine: int) -> dic
     world_size = int(query["world_size"])
     if rank_offset < 1 or rank_offset + workers_per_engine > world_size:
         raise ValueError(f"engine workers at NCCL ranks {rank_offset}..{rank_offset + workers_per_engine - 1} do "
-                         f"not fit a group of {world_size} (rank 0 = trainer); hint: set the trainer's publish "
-                         "transport's num_engine_workers (molt.train.publish) to the rollout's total workers")
+                         f"not fit a group of {world_size} (rank 0 = trainer); hint: set "
+                         "policy.weights.transport.num_engine_workers to the rollout's total workers")
     return {"master_address": parts.hostname, "master_port": parts.port, "rank_offset": rank_offset,
             "world_size": world_size, "packed": query.get("packed", "0") == "1",
             "packed_buffer_size_bytes": int(query.get("buffer_bytes", 2**30)),
@@ -312,7 +312,7 @@ def check_probe(version: int, probe: Probe, engine_logprobs: list[float]) -> flo
         f"{float(diffs[index]):.3g} at position {position} (token id {probe.token_ids[position]}; "
         f"tolerance {probe.atol:g}): the engine does not compute what the trainer exported; "
         "hint: a reload that corrupts or skips weights, or a bf16 side (raise "
-        "probe_atol, molt.train.publish)")
+        "policy.weights.probe_atol)")
 
 
 def check_probe_changed(version: int, before: list[float], after: list[float], same_weights: bool) -> None:

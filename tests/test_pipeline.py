@@ -205,6 +205,13 @@ def test_a_pipeline_names_a_base_and_states_only_what_differs(tmp_path):
     write(tmp_path, "base: loop_a.yaml\nname: b\n", "loop_b.yaml")
     with pytest.raises(ValueError, match=r"loop_b.yaml: base: loop_a.yaml leads back to a file that names it"):
         Pipeline.from_yaml(tmp_path / "loop_a.yaml")
+    write(tmp_path, "base: nope.yaml\nname: a\n", "lost.yaml")
+    with pytest.raises(ValueError, match=r"lost.yaml: base: 'nope.yaml' is not a pipeline file \(a path relative to"):
+        Pipeline.from_yaml(tmp_path / "lost.yaml")
+    write(tmp_path, "base: base.yaml\nstages: {evalute: null}\n", "typo.yaml")
+    with pytest.raises(ValueError, match=r"typo.yaml: stages.evalute: null removes a stage of the base, and base.yaml "
+                                         r"has no stage 'evalute'; stages: \[.*'evaluate'"):
+        Pipeline.from_yaml(tmp_path / "typo.yaml")
 
 
 def test_molt_graph_resolved_prints_the_pipeline_as_it_loads(tmp_path):

@@ -160,8 +160,8 @@ def pinned(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
         os.link(source, link)
     except FileNotFoundError:
         raise FileNotFoundError(f"weights of version {record['policy_version']} are gone: {source} was deleted "
-                                "(a newer version replaced it); hint: raise the publishing keep_versions "
-                                "(molt.train.publish)") from None
+                                "(a newer version replaced it); hint: raise policy.weights.keep_versions "
+                                "(molt.refit.PublishConfig)") from None
     try:
         yield {**record, "uri": f"file://{link}"}
     finally:
