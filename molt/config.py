@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class FrozenConfig(BaseModel):
+    """Base of the sub-configs selected by their ``type:`` (tasks, graders, losses, advantages): unknown keys
+    fail at load; configs are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def load_yaml(path: Path, _derived: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -233,11 +233,6 @@ def evaluated_before(run_dir: Path | None, replica: str, prefixes: list[str]) ->
             for prefix in prefixes}
 
 
-def task_key(prefix: str) -> str:
-    """The config key of the task of ``prefix``: ``task`` or ``tasks.NAME``."""
-    return f"tasks.{prefix}" if prefix else "task"
-
-
 class Evaluator:
     """The evaluations of one stage, of its ``engine`` (read at each use: a restarted one is taken) with its
     ``chat`` template: stages.evaluate's on its own engine, or a rollout's ``evaluate:`` on the rollout's.
@@ -264,7 +259,8 @@ class Evaluator:
                              "refits are streamed: the trainer's send would wait for it; hint: an evaluation stage "
                              "fed by files (pipelines/gsm8k_gpu.yaml)")
         self.prefix = {name: "/".join(filter(None, (base, name))) for name in self.tasks}
-        self.problems = {name: load_problems(t.task, f"{where}.{task_key(name)}") for name, t in self.tasks.items()}
+        self.problems = {name: load_problems(t.task, f"{where}.tasks.{name}" if name else f"{where}.task")
+                         for name, t in self.tasks.items()}
         before = evaluated_before(stage.ctx.run_dir, f"{stage.ctx.stage_id}.{stage.ctx.replica}",
                                   list(self.prefix.values())) if self.tasks else {}
         self.evaluated = {name: before[self.prefix[name]] for name in self.tasks}

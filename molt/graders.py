@@ -34,7 +34,9 @@ import threading
 from fractions import Fraction
 from typing import Annotated, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from molt.config import FrozenConfig
 
 #: A number as a model writes it: optional minus, thousands separators, decimals or a/b.
 _NUMBER = r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
@@ -140,13 +142,7 @@ def parse_count_colour(text: str) -> tuple[int | None, str | None]:
     return number, colour.group().lower() if colour else None
 
 
-class _GraderConfig(BaseModel):
-    """Unknown keys fail at load; configs are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class MathGrader(_GraderConfig):
+class MathGrader(FrozenConfig):
     """Final-answer math grading: extract (boxed, ####, last number), then compare by value."""
 
     type: Literal["math"] = "math"
@@ -159,7 +155,7 @@ class MathGrader(_GraderConfig):
         return Grade(1.0 if answers_match(extracted, str(answer)) else 0.0, extracted)
 
 
-class ExactGrader(_GraderConfig):
+class ExactGrader(FrozenConfig):
     """Whole-completion string match after stripping whitespace (optionally case-folded)."""
 
     type: Literal["exact"] = "exact"
@@ -175,7 +171,7 @@ class ExactGrader(_GraderConfig):
         return Grade(float(got == want), got)
 
 
-class ShapesGrader(_GraderConfig):
+class ShapesGrader(FrozenConfig):
     """Count and colour of a shapes picture (:mod:`molt.tasks.shapes`): 1.0 iff both are right."""
 
     type: Literal["shapes"] = "shapes"

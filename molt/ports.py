@@ -67,15 +67,11 @@ class InputPort:
         return self._ready.popleft()
 
     def latest(self) -> pa.RecordBatch | None:
-        """Broadcast inputs: the newest batch received so far without waiting (or None)."""
-        return (self.take_ready() or [None])[-1]
-
-    def take_ready(self) -> list[pa.RecordBatch]:
-        """Broadcast inputs: every batch received so far, oldest first, without waiting (barriers
-        skipped)."""
+        """Broadcast inputs: the newest batch received so far without waiting (or None); the older ones
+        and barriers are dropped."""
         batches = [item for item in self._ready if isinstance(item, pa.RecordBatch)]
         self._ready.clear()
-        return batches
+        return batches[-1] if batches else None
 
     async def drain_nowait(self) -> None:
         """Move every message already waiting on the sockets into the ready queue."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,17 +48,12 @@ def scratch_folder(prefix: str) -> Path:
     """A new folder for a stage's shared files: under the run's scratch folder ($MOLT_SCRATCH,
     in /dev/shm, removed by the runner after every process has exited, so a file outlives the
     stage that wrote it while the run lasts), else in /dev/shm, else in the default temp dir."""
-    import os
-    import tempfile
-
     base = os.environ.get(SCRATCH_ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def run_owned(path: Path) -> bool:
     """Whether ``path`` lies in the run's scratch folder (the runner removes it)."""
-    import os
-
     scratch = os.environ.get(SCRATCH_ENV)
     return scratch is not None and Path(path).resolve().is_relative_to(Path(scratch).resolve())
 
@@ -99,7 +96,6 @@ class StageContext:
     inputs: dict[str, InputPort] = field(default_factory=dict)
     outputs: dict[str, OutputPort] = field(default_factory=dict)
     metrics: MetricsWriter | None = None
-    group: Any = None  # molt.worker.GroupChannel for torchrun groups
     resume_from: Path | None = None  # checkpoint folder this run resumes from
     seed: int = 0  # the pipeline's seed (molt.seeds)
     subscribed: set[str] = field(default_factory=set)  # outputs with at least one edge
@@ -150,11 +146,6 @@ class Stage:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
-    def on_barrier(self, step: int) -> None:
-        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.checkpoint)."""
-        if self.ctx.run_dir is not None:
-            self.save_checkpoint(checkpoint_dir(self.ctx.run_dir, step))
-
     def save_checkpoint(self, folder: Path) -> None:
         """Write ``{stage}.{replica}.json`` (state and recorded batch counts) atomically, on rank 0.
 
@@ -200,8 +191,9 @@ class Stage:
         return item
 
     async def barrier(self, step: int) -> None:
-        """Run the barrier hook, then forward the barrier on every output."""
-        self.on_barrier(step)
+        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.checkpoint), then forward it."""
+        if self.ctx.run_dir is not None:
+            self.save_checkpoint(checkpoint_dir(self.ctx.run_dir, step))
         for out in self.ctx.outputs.values():
             await out.send_barrier(step)
 

@@ -39,18 +39,17 @@ from molt.checkpoint import read_replica_state
 from molt.curve import run_keys, start_authenticator
 from molt.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
 from molt.metrics import MetricsWriter
-from molt.pipeline import Pipeline, StageNode
+from molt.pipeline import Edge, Pipeline, StageNode
 from molt.ports import InputPort, OutputPort
 from molt.recording import RecordWriter, edge_dirname
 from molt.stage import Stage, StageContext
 
 
-def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge_name: str) -> EdgeSpec:
+def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge: Edge) -> EdgeSpec:
     """The :class:`EdgeSpec` of an edge (its endpoints from the run's wiring)."""
-    edge = next(e for e in pipe.edges if e.name == edge_name)
-    w = wiring[edge_name]
+    w = wiring[edge.name]
     assert edge.schema is not None
-    return EdgeSpec(edge_name, edge.cfg.kind, tuple(w["endpoints"]), tuple(w["consumers"]), edge.schema,
+    return EdgeSpec(edge.name, edge.cfg.kind, tuple(w["endpoints"]), tuple(w["consumers"]), edge.schema,
                     edge.cfg.key, edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
                     edge.cfg.max_message_mib << 20)
 
@@ -118,7 +117,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
                                 node.id, replica)
     for port in node.inputs:
         edges = [e for e in pipe.edges if e.dst == node.id and e.dst_port == port]
-        specs = [edge_spec(pipe, wiring, e.name) for e in edges]
+        specs = [edge_spec(pipe, wiring, e) for e in edges]
         if world_size == 1:
             ctx.inputs[port] = InputPort(zctx, port, specs, name)
         else:
@@ -132,7 +131,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
         recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow",
                                           recorded.get(e.name, 0))
                      for e in edges if e.cfg.record and rank == 0}
-        ends = [(edge_spec(pipe, wiring, e.name), replica) for e in edges]
+        ends = [(edge_spec(pipe, wiring, e), replica) for e in edges]
         ctx.outputs[port] = OutputPort(zctx, port, ends, name, recorders)
     return node.cls(node.config, ctx)
 

@@ -26,7 +26,7 @@ cannot delete a version still to be evaluated; only the newest link (and one bei
       config: {task: {type: arithmetic, split: eval, num_problems: 500}, every_versions: 4}
       # or {tasks: {a: {task: {...}}, b: {task: {...}, samples: 8, temperature: 0.8, every_versions: 16}}}
     edges:
-      - {from: broadcast.weights, to: evaluate.weights, kind: broadcast}
+      - {from: train.weights, to: evaluate.weights, kind: broadcast}
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Evaluate(Service):
     async def _load_and_evaluate(self, record: dict[str, Any], names: list[str]) -> None:
         if not names:
             return
-        self.loading = Path(record["uri"].removeprefix("file://"))  # set before any await: `_link` spares it
+        self.loading = Path(record["uri"].removeprefix("file://"))  # set before any await: `_keep` spares it
         try:
             if record["policy_version"] != self.engine.policy_version:
                 await apply_weight_record(self.engine, record)

@@ -39,7 +39,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from molt.checkpoint import read_replica_state
 from molt.columns import row_lengths
 from molt.edges import Barrier
 from molt.multimodal import row_images
@@ -99,7 +98,7 @@ class Pack(Service):
         return {"step": self.step, "num_groups_held": len(self.groups)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = state["step"]
+        self.step, self.num_groups_held = state["step"], state["num_groups_held"]
 
     def save_checkpoint(self, folder: Path) -> None:
         if self.groups:  # held groups first, the JSON (written by super) marks completion
@@ -118,10 +117,9 @@ class Pack(Service):
             with pa.OSFile(str(path), "rb") as source:
                 reader = pa.ipc.open_file(source)
                 self.groups = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        held = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]["num_groups_held"]
-        if len(self.groups) != held:
+        if len(self.groups) != self.num_groups_held:
             raise ValueError(f"checkpoint {folder}: {path.name} holds {len(self.groups)} groups, its JSON "
-                             f"{held}; hint: the checkpoint was altered, resume from another one")
+                             f"{self.num_groups_held}; hint: the checkpoint was altered, resume from another one")
 
     def place(self, groups: list[pa.RecordBatch]) -> pa.RecordBatch:
         """One step batch of ``groups``, with the step columns, ordered by rank and micro-batch."""

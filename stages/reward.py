@@ -16,7 +16,7 @@ Example: answers ["57", "12"], completions ["It is 57.", "no idea"] -> score
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pyarrow as pa
 from pydantic import Field
@@ -55,11 +55,7 @@ class Reward(Transform):
         return batch.append_column(COLUMNS["score"], pa.array(scores, pa.float32()))
 
     def _grade(self, metadata: str | None, sample_id: str | None, row: int) -> Grade:
-        fields = self._fields(metadata, sample_id, row)
-        return self.config.grader.grade(fields["completion_text"], fields["answer"])
-
-    def _fields(self, metadata: str | None, sample_id: str | None, row: int) -> dict[str, Any]:
-        """The row's metadata as a dict holding ``completion_text`` and ``answer``.
+        """The grade of the row's ``completion_text`` against its ``answer``, both from its metadata.
 
         Raises:
             ValueError: naming the sample_id (or row index) and the missing key.
@@ -78,4 +74,4 @@ class Reward(Transform):
                 raise ValueError(f"stage {self.ctx.stage_id!r}, {where}: metadata has no {key!r}; got keys "
                                  f"{sorted(fields)}; hint: the dataset source writes 'answer', the rollout "
                                  "stage writes 'completion_text'")
-        return fields
+        return self.config.grader.grade(fields["completion_text"], fields["answer"])

@@ -150,7 +150,7 @@ class Train(Service):
         """Publish ``self.version`` where due (a resumed trainer's: everywhere); seconds taken, and probing."""
         start, probe = time.monotonic(), 0.0
         for port, publisher in self.publishers.items():
-            if resumed or publisher.due(self.version):
+            if resumed or self.version % publisher.config.every_steps == 0:
                 await publisher.publish(self.version, partial(self.send, port))
                 probe += publisher.probe_seconds
         return {"export_seconds": time.monotonic() - start, "probe_seconds": probe}

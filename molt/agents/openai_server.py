@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -161,16 +162,13 @@ class ChatServer:
     async def _turn(self, session: ChatSession, messages: list[Message], max_tokens: int | None) -> str:
         # 1) extend the current segment by a template delta, or start a new segment
         known = session.messages
+        delta: list[int] | None = None
         if session.segments and messages[:len(known)] == known and len(messages) > len(known):
-            try:
+            with contextlib.suppress(ValueError):  # the template rewrote earlier turns: a new segment
                 delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop")
-                session.segments[-1].extend_context(delta)
-            except ValueError:
-                session.segments.append(Segment())
-                session.segments[-1].extend_context(self.chat.prompt_ids(messages))
-        else:
+        if delta is None:
             session.segments.append(Segment())
-            session.segments[-1].extend_context(self.chat.prompt_ids(messages))
+        session.segments[-1].extend_context(self.chat.prompt_ids(messages) if delta is None else delta)
         seg = session.segments[-1]
         # 2) generate from the exact ids, within the turn's and the context's budget
         budget = min(self.params.max_new_tokens, max_tokens or self.params.max_new_tokens,

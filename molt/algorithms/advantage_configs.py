@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor
 
 from molt.algorithms import advantages as adv
@@ -26,12 +26,7 @@ from molt.algorithms.token_advantages import (
     gae_advantages,
     outcome_token_rewards,
 )
-
-
-class _Config(BaseModel):
-    """Unknown keys fail at load; configs are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from molt.config import FrozenConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ def _need(inputs: AdvantageInputs, column: str, kind: str) -> Tensor:
     return value
 
 
-class _GroupEstimator(_Config):
+class _GroupEstimator(FrozenConfig):
     """Outcome estimators: one advantage per rollout, spread over its loss tokens."""
 
     required_columns: ClassVar[tuple[str, ...]] = ("prompt_id", "rollout_id", "reward")
@@ -85,9 +80,7 @@ class GRPOConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the group std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_g) / (std_g + eps); GRPO, Shao et al. 2024, arXiv:2402.03300.
-        [R], [R] -> [R]; empty -> [0].
-        """
+        """(r - mean_g) / (std_g + eps); GRPO, Shao et al. 2024, arXiv:2402.03300."""
         return adv.grpo_advantages(rewards, group_ids, self.eps)
 
 
@@ -95,7 +88,7 @@ class DrGRPOConfig(_GroupEstimator):
     type: Literal["dr_grpo"] = "dr_grpo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """r - mean_g; Dr.GRPO, Liu et al. 2025, arXiv:2503.20783. [R], [R] -> [R]; empty -> [0]."""
+        """r - mean_g; Dr.GRPO, Liu et al. 2025, arXiv:2503.20783."""
         return adv.dr_grpo_advantages(rewards, group_ids)
 
 
@@ -103,9 +96,7 @@ class RLOOConfig(_GroupEstimator):
     type: Literal["rloo"] = "rloo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """r - mean of the others in g; RLOO, Ahmadian et al. 2024, arXiv:2402.14740.
-        [R], [R] -> [R]; empty -> [0].
-        """
+        """r - mean of the others in g; RLOO, Ahmadian et al. 2024, arXiv:2402.14740."""
         return adv.rloo_advantages(rewards, group_ids)
 
 
@@ -114,9 +105,7 @@ class ReinforcePPConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_B) / (std_B + eps); REINFORCE++, Hu 2025, arXiv:2501.03262.
-        [R], [R] -> [R]; empty -> [0].
-        """
+        """(r - mean_B) / (std_B + eps); REINFORCE++, Hu 2025, arXiv:2501.03262."""
         return adv.reinforce_pp_advantages(rewards, group_ids, self.eps)
 
 
@@ -125,13 +114,11 @@ class ReinforcePPBaselineConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_g) / (std_B + eps); REINFORCE++-baseline, Hu 2025, arXiv:2501.03262.
-        [R], [R] -> [R]; empty -> [0].
-        """
+        """(r - mean_g) / (std_B + eps); REINFORCE++-baseline, Hu 2025, arXiv:2501.03262."""
         return adv.reinforce_pp_baseline_advantages(rewards, group_ids, self.eps)
 
 
-class GAEConfig(_Config):
+class GAEConfig(FrozenConfig):
     type: Literal["gae"] = "gae"
     required_columns: ClassVar[tuple[str, ...]] = ("reward", "values")
     gamma: float = Field(1.0, ge=0, le=1, description="discount per generated token")
@@ -157,7 +144,7 @@ class GAEConfig(_Config):
         return gae_advantages(token_rewards, values, inputs.loss_mask, self.gamma, self.lam)[0]
 
 
-class DistillationConfig(_Config):
+class DistillationConfig(FrozenConfig):
     type: Literal["distillation"] = "distillation"
     required_columns: ClassVar[tuple[str, ...]] = ("rollout_logprobs", "teacher_logprobs")
     beta: float = Field(1.0, gt=0, description="weight of the per-token reverse KL")

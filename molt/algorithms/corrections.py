@@ -8,6 +8,9 @@ log ratio  d_t = train_logprobs - rollout_logprobs  into a `Correction`:
     weight [B, T]  detached, finite, >= 0, exactly 0 where dropped
     keep   [B, T]  bool, loss_mask minus the dropped tokens
 
+Every correction takes train_logprobs, rollout_logprobs and loss_mask [B, T]; an
+all-masked or empty input gives weight 0 and keep False everywhere, in that shape.
+
 Apply it as  where(keep, weight * per_token_loss, 0)  with `apply_correction`,
 and pass `keep` as the loss_mask of the policy loss, so a dropped token's
 overflowing ratio is never exponentiated. A token whose log ratio is not
@@ -54,8 +57,6 @@ def no_correction(
     """Weight 1 on every valid token; for on-policy runs or when the anchor is the rollout.
 
     w_t = 1, keep = loss_mask. Source: none (plain on-policy PPO/GRPO, arXiv:1707.06347).
-    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
-    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     del train_logprobs, rollout_logprobs
     return Correction(loss_mask.float(), loss_mask)
@@ -70,9 +71,7 @@ def truncated_is(
     Off-Policy RL Training" (fengyao.notion.site). Computed as
     exp(min(d_t, log cap)), so d_t = 89 gives cap, not inf. Non-finite d_t is dropped.
 
-    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
     Example: d [[0., log 3, -1.]], cap 2 -> weight [[1., 2., 0.3679]].
-    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     keep = loss_mask & (gap > -math.inf)  # also false for NaN
@@ -87,10 +86,8 @@ def icepop(
     Ling Team 2025, "Small Leak Can Sink a Great Ship: Boost RL Training on
     MoE with IcePop" (ring-1t report): M(k) = k if low <= k <= high else 0.
 
-    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
     Example: d [[0., 89., log 0.25]], low 0.5, high 5 -> weight [[1., 0., 0.]],
     keep [[T, F, F]].
-    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     keep = loss_mask & (gap >= math.log(low)) & (gap <= math.log(high))
@@ -108,8 +105,6 @@ def sequence_mis(
 
     Example: rows d [[0.1, 0.2], [1., 1.]], cap 2: rho = [1.3499, 7.389]
     -> weight [[1.3499, 1.3499], [0., 0.]].
-    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
-    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     seq_gap = gap.sum(-1, keepdim=True)  # [B, 1]
@@ -128,8 +123,6 @@ def geometric_mis(
 
     Example: rows d [[0.1, -0.1], [0.5, 0.7]], band [0.5, 1.5]: means [0, 0.6],
     exp = [1, 1.8221] -> weight [[1., 1.], [0., 0.]].
-    Shapes: train_logprobs, rollout_logprobs, loss_mask [B, T] -> Correction of [B, T].
-    All-masked or empty input -> weight 0 and keep False everywhere, same shape.
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
     mean_gap = gap.sum(-1, keepdim=True) / loss_mask.sum(-1, keepdim=True).clamp(min=1)

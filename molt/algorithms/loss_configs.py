@@ -9,29 +9,25 @@ choice, so YAML such as
     kl: {estimator: k3, coef: 0.001, apply_to: loss}
     aggregation: {type: seq_mean_token_sum, normalizer: 4096}
 
-validates at load, and an unknown `type` or key fails naming the choices.
+validates at load, and an unknown `type` or key fails naming the choices. Each `compute`
+has the shapes and edge cases of the function it calls (losses.py, corrections.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor
 
 from molt.algorithms import corrections as corr
 from molt.algorithms import losses
 from molt.algorithms.aggregation import aggregate_loss
 from molt.algorithms.kl import KLEstimator, kl_penalty
+from molt.config import FrozenConfig
 
 
-class _Config(BaseModel):
-    """Unknown keys fail at load; configs are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PPOLossConfig(_Config):
+class PPOLossConfig(FrozenConfig):
     type: Literal["ppo"] = "ppo"
     clip_low: float = Field(0.2, ge=0, lt=1, description="ratio floor is 1 - clip_low")
     clip_high: float = Field(
@@ -48,7 +44,6 @@ class PPOLossConfig(_Config):
 
         Schulman et al. 2017 (arXiv:1707.06347); dual clip Ye et al. 2020
         (arXiv:1912.09729); clip-higher DAPO (arXiv:2503.14476).
-        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
         """
         return losses.ppo_clip_loss(
             logprobs, old_logprobs, advantages, loss_mask,
@@ -56,7 +51,7 @@ class PPOLossConfig(_Config):
         )
 
 
-class GSPOLossConfig(_Config):
+class GSPOLossConfig(FrozenConfig):
     type: Literal["gspo"] = "gspo"
     clip_low: float = Field(3e-4, ge=0, lt=1, description="sequence ratio floor 1 - clip_low")
     clip_high: float = Field(4e-4, ge=0, description="sequence ratio ceiling 1 + clip_high")
@@ -64,17 +59,13 @@ class GSPOLossConfig(_Config):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t).
-
-        Zheng et al. 2025 (arXiv:2507.18071).
-        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
-        """
+        """GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t); Zheng et al. 2025 (arXiv:2507.18071)."""
         return losses.gspo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_low, self.clip_high
         )
 
 
-class CISPOLossConfig(_Config):
+class CISPOLossConfig(FrozenConfig):
     type: Literal["cispo"] = "cispo"
     clip_high: float = Field(gt=0, description="IS weight ceiling 1 + clip_high")
     clip_low: float | None = Field(None, ge=0, lt=1, description="IS weight floor; None: none")
@@ -82,17 +73,13 @@ class CISPOLossConfig(_Config):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """CISPO: -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi.
-
-        MiniMax 2025, "MiniMax-M1" (arXiv:2506.13585).
-        [B, T] inputs -> PolicyLoss of [B, T]; all-masked -> zero loss and gradient.
-        """
+        """CISPO: -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi; MiniMax 2025 (arXiv:2506.13585)."""
         return losses.cispo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_high, self.clip_low
         )
 
 
-class SFTLossConfig(_Config):
+class SFTLossConfig(FrozenConfig):
     """Supervised fine-tuning (cross-entropy on demonstrations): records need no
     rollout_logprobs or advantages; with ``correction: {type: none}`` only."""
 
@@ -110,19 +97,17 @@ PolicyLossConfig = Annotated[
 ]
 
 
-class NoCorrectionConfig(_Config):
+class NoCorrectionConfig(FrozenConfig):
     type: Literal["none"] = "none"
 
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """w_t = 1 on valid tokens (on-policy; no paper). [B, T] -> Correction of [B, T];
-        all-masked -> weight 0, keep False.
-        """
+        """w_t = 1 on valid tokens (on-policy; no paper)."""
         return corr.no_correction(train_logprobs, rollout_logprobs, loss_mask)
 
 
-class TISConfig(_Config):
+class TISConfig(FrozenConfig):
     type: Literal["tis"] = "tis"
     cap: float = Field(2.0, gt=0, description="ceiling of the token IS weight (paper: 2)")
 
@@ -130,13 +115,11 @@ class TISConfig(_Config):
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
         """TIS: w_t = min(exp(d_t), cap); Yao et al. 2025, "Your Efficient RL
-        Framework Secretly Brings You Off-Policy RL Training".
-        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
-        """
+        Framework Secretly Brings You Off-Policy RL Training"."""
         return corr.truncated_is(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
-class IcePopConfig(_Config):
+class IcePopConfig(FrozenConfig):
     type: Literal["icepop"] = "icepop"
     low: float = Field(0.5, gt=0, description="smallest kept token ratio")
     high: float = Field(5.0, gt=0, description="largest kept token ratio")
@@ -144,13 +127,11 @@ class IcePopConfig(_Config):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """IcePop: w_t = exp(d_t) if low <= exp(d_t) <= high else 0; Ling Team 2025
-        (Ring-1T). [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
-        """
+        """IcePop: w_t = exp(d_t) if low <= exp(d_t) <= high else 0; Ling Team 2025 (Ring-1T)."""
         return corr.icepop(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
-class SequenceMISConfig(_Config):
+class SequenceMISConfig(FrozenConfig):
     type: Literal["seq_mis"] = "seq_mis"
     cap: float = Field(gt=0, description="largest kept sequence ratio")
 
@@ -158,13 +139,11 @@ class SequenceMISConfig(_Config):
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
         """Seq-MIS: rho = exp(sum_t d_t), row kept with weight rho iff rho <= cap; Liu
-        et al. 2025, "When Speed Kills Stability".
-        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
-        """
+        et al. 2025, "When Speed Kills Stability"."""
         return corr.sequence_mis(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
-class GeometricMISConfig(_Config):
+class GeometricMISConfig(FrozenConfig):
     type: Literal["geo_mis"] = "geo_mis"
     low: float = Field(gt=0, description="smallest kept geometric-mean ratio")
     high: float = Field(gt=0, description="largest kept geometric-mean ratio")
@@ -173,9 +152,7 @@ class GeometricMISConfig(_Config):
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
         """Geo-MIS: row kept (weight 1) iff low <= exp(mean_t d_t) <= high; Liu et al.
-        2025, "When Speed Kills Stability".
-        [B, T] -> Correction of [B, T]; all-masked -> weight 0, keep False.
-        """
+        2025, "When Speed Kills Stability"."""
         return corr.geometric_mis(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
@@ -187,7 +164,7 @@ CorrectionConfig = Annotated[
 ]
 
 
-class KLConfig(_Config):
+class KLConfig(FrozenConfig):
     """KL to the reference policy, as a per-token loss term or folded into the reward."""
 
     estimator: KLEstimator = "k3"
@@ -207,7 +184,7 @@ class KLConfig(_Config):
         return kl_penalty(logprobs, ref_logprobs, loss_mask, self.estimator, self.max_log_ratio)
 
 
-class _Aggregation(_Config):
+class _Aggregation(FrozenConfig):
     """Aggregation modes; `type` is the mode name of aggregation.py."""
 
     def reduce(

@@ -97,7 +97,6 @@ def ppo_clip_loss(
     Schulman et al. 2017 (arXiv:1707.06347); clip-higher from DAPO, Yu et al.
     2025 (arXiv:2503.14476); dual clip from Ye et al. 2020 (arXiv:1912.09729),
     which bounds the loss of a negative-advantage token whose ratio exploded.
-    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: log ratios [[0., 0.5, 0.5]], A [[1., 1., -1.]], clip 0.2/0.28,
     dual_clip 1.5: r = [1, 1.6487, 1.6487] -> loss [[-1., -1.28, 1.5]],
@@ -135,7 +134,6 @@ def gspo_loss(
     in its GSPO-token form: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], whose value
     is s_i on every token and whose gradient is s_i * grad log pi(y_t). With
     `seq_mean_token_mean` aggregation this is exactly GSPO.
-    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: one row, log ratios [[0.1, 0.3]], A 1, clip 3e-4/4e-4:
     s = exp(0.2) = 1.2214 -> clipped to 1.0004, loss [[-1.0004, -1.0004]].
@@ -168,7 +166,6 @@ def cispo_loss(
     token keeps its gradient (weight times grad log pi); only the weight is
     capped. clip_low None means no lower bound, as in the paper. The loss
     *value* includes log pi and is not itself meaningful; its gradient is.
-    Shapes: logprobs, old_logprobs, advantages, loss_mask [B, T] -> PolicyLoss of [B, T].
 
     Example: log ratios [[0., 1.]], logprobs [[-1., -2.]], A 1, clip_high 0.5:
     weights [1, 1.5] (e = 2.718 capped) -> loss [[1., 3.]], gradient w.r.t.

@@ -42,9 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from molt.engines.vllm_worker import MoltWorkerExtension, tied_unloaded_layers
-from molt.refit import (tensor_digest, update_info,
-                        worker_init_info)
+from molt.engines.vllm_worker import MoltWorkerExtension, repack_tied_layers
+from molt.refit import tensor_digest, update_info, worker_init_info
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -140,8 +139,7 @@ class MoltTransferWorkerExtension(MoltWorkerExtension):
         tensor consumed ({} when watched with digest=False), "seconds": since the watch began}."""
         model, consumed, digest, start = self._molt_watch
         model.__dict__.pop("load_weights", None)  # the class's load_weights again
-        for layer in tied_unloaded_layers(model, set(consumed)):
-            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
+        repack_tied_layers(model, set(consumed))
         seconds = time.perf_counter() - start
         logger.info("molt: received %d tensors through the weight-transfer API in %.2f s", len(consumed), seconds)
         return {"digests": consumed if digest else {}, "seconds": seconds}

@@ -59,23 +59,15 @@ def iter_weights(path: str,
 
 def file_digests(path: str) -> dict[str, str]:
     """Digest every tensor of a safetensors file: name -> `tensor_digest`."""
-    digests: dict[str, str] = {}
-    for _ in iter_weights(path, digests):
-        pass
-    return digests
+    return {name: tensor_digest(tensor) for name, tensor in iter_weights(path, None)}
 
 
 async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
-    """Load the weights a weight-version record (molt.schema.WEIGHT_VERSION_SCHEMA row)
-    points to into ``engine`` if they are newer, and verify the refit.
-
-    1) the engine's probe before the load (cached from the previous refit);
-    2) load; every tensor's digest as the engine's loader consumed it must equal the
-       trainer's (`verify_refit`);
-    3) the probe (molt.refit): the engine's logprobs of ``probe_token_ids`` must
-       match ``probe_logprobs`` within ``probe_atol``, and must differ from step 1's
-       unless the weights are identical to those the engine held. A record without a
-       probe (empty ``probe_token_ids``) skips step 3 with a warning.
+    """Load the weights a weight-version record (molt.schema.WEIGHT_VERSION_SCHEMA row) points to into
+    ``engine`` if they are newer, and verify the refit (molt.refit): every tensor's digest as the engine's
+    loader consumed it (`verify_refit`), then the probe's steps 2-4 (the engine's probe before the load is
+    cached from the previous refit). A record without a probe (empty ``probe_token_ids``) is verified by
+    its digests only, with a warning.
 
     A streamed record (format other than "safetensors", e.g. "nccl") goes to
     `Engine.receive_weights` and is never skipped, even when not newer: the trainer's

@@ -54,6 +54,7 @@ from safetensors import safe_open
 from molt.engines.base import (Completion, Engine, EngineDeadError as MoltEngineDead, FinishReason, SamplingParams,
                                check_prompt)
 from molt.engines.refit import check_weights_file, file_digests
+from molt.models.layout import checkpoint_shapes
 from molt.multimodal import VisionProcessor, decode_images
 from molt.refit import check_covers
 
@@ -363,18 +364,15 @@ class VLLMEngine(Engine):
                 if not self._user_paused and self.killed is None:  # a dead core would never answer
                     await llm.resume_generation()
             self.last_load_seconds = time.perf_counter() - start
-            self.last_weight_digests = _same_digests(results)
+            self.last_weight_digests = _same([dict(r["digests"]) for r in results],  # type: ignore[call-overload]
+                                             "consumed different weight bytes during one refit")
             self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s in %.2f s", version, source, self.last_load_seconds)
 
     @functools.cached_property
     def _checkpoint_names(self) -> set[str]:
         """Tensor names of the model folder's checkpoint (every one a refit must cover; read once)."""
-        names: set[str] = set()
-        for shard in self._model_dir.glob("*.safetensors"):
-            with safe_open(str(shard), framework="pt") as handle:
-                names.update(handle.keys())
-        return names
+        return set(checkpoint_shapes(self._model_dir))
 
     def close(self) -> None:
         """Shut down vLLM's engine core; idempotent."""
@@ -409,9 +407,3 @@ def _same(results: list[Any], what: str = "returned different routing records fo
     if any(result != results[0] for result in results[1:]):
         raise RuntimeError(f"vLLM workers {what}")
     return results[0]
-
-
-def _same_digests(results: list[dict[str, object]]) -> dict[str, str]:
-    """The digests every worker reported; RuntimeError if workers disagree."""
-    digests = [dict(result["digests"]) for result in results]  # type: ignore[call-overload]
-    return cast(dict[str, str], _same(digests, "consumed different weight bytes during one refit"))

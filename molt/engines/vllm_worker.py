@@ -67,8 +67,7 @@ class MoltWorkerExtension:
         lighten_lookup_tables(model)
         self.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=iter_weights(path, digests if digest else None), is_checkpoint_format=True)
-        for layer in tied_unloaded_layers(model, names):
-            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
+        repack_tied_layers(model, names)
         repack_cpu_experts(model)
         release_freed_memory()  # the reload's copies (molt.memory)
         seconds = time.perf_counter() - start
@@ -86,8 +85,8 @@ class MoltWorkerExtension:
         return self.molt_routing.take(request_id, num_tokens)
 
 
-def repack_cpu_experts(model: nn.Module) -> int:
-    """Prepack every fused-MoE layer's expert weights for vLLM's CPU kernel again; returns the count.
+def repack_cpu_experts(model: nn.Module) -> None:
+    """Prepack every fused-MoE layer's expert weights for vLLM's CPU kernel again.
 
     On the first load, vLLM's unquantized MoE method calls its experts'
     ``process_weights_after_loading``, which on CPU replaces ``w13_weight``/``w2_weight``
@@ -101,31 +100,27 @@ def repack_cpu_experts(model: nn.Module) -> int:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return 0
-    count = 0
+        return
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None:
             kernel.fused_experts.process_weights_after_loading(module)
-            count += 1
-    return count
 
 
-def tied_unloaded_layers(model: nn.Module, loaded: set[str]) -> list[nn.Module]:
-    """Layers with a `quant_method` whose parameters are all shared with another
-    layer and none of which was loaded under its own name (e.g. a tied lm_head)."""
+def repack_tied_layers(model: nn.Module, loaded: set[str]) -> None:
+    """Process again (`quant_method.process_weights_after_loading`) every layer with a `quant_method` whose
+    parameters are all shared with another layer and none of which was loaded under its own name (e.g. a
+    tied lm_head; module docstring)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
-    layers = []
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
         if (own and getattr(module, "quant_method", None) is not None
                 and all(owners[id(p)] > 1 for _, p in own)
                 and not any(f"{prefix}.{name}" in loaded for name, _ in own)):
-            layers.append(module)
-    return layers
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]
 
 
 def lighten_lookup_tables(model: nn.Module) -> None:

@@ -16,18 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from molt.config import FrozenConfig
 from molt.tasks.arithmetic import ArithmeticProblems
 from molt.tasks.gsm8k import DEFAULT_INSTRUCTION, read_gsm8k
 from molt.tasks.records import RecordSet, Task, generic_record, read_jsonl, read_parquet
 from molt.tasks.shapes import ShapeProblems
 
 
-class _TaskConfig(BaseModel):
-    """Unknown keys fail at load; configs are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _TaskConfig(FrozenConfig):
+    """A task's config (`preflight_tasks` finds them by this base)."""
 
 
 class ArithmeticTask(_TaskConfig):

@@ -6,7 +6,6 @@ the weight record told the engines what comes (molt.train.publish). Unverified o
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +49,6 @@ class NCCLSender:
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.source = StateDictSource(self.device)
         self._engine: TrainerWeightTransferEngine | None = None
-        self.last_send_seconds = 0.0
 
     def record_fields(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The record's ``format``, ``uri``, ``tensor_dtypes`` and ``tensor_shapes`` for ``state``."""
@@ -62,7 +60,6 @@ class NCCLSender:
         ``timeout_s`` (the NCCL group is then stuck) or vLLM's send failed (its error chained)."""
         self.source.state = state
         errors: list[BaseException] = []
-        start = time.perf_counter()
 
         def work() -> None:
             try:
@@ -84,7 +81,6 @@ class NCCLSender:
                                "that num_engine_workers is the rollout's replicas x tensor_parallel_size")
         if errors:
             raise RuntimeError(f"NCCL weight transfer failed on the trainer: {errors[0]!r}") from errors[0]
-        self.last_send_seconds = time.perf_counter() - start
 
     def _open(self) -> TrainerWeightTransferEngine:
         """vLLM's trainer engine: rendezvous with every engine worker (blocks until they join)."""

@@ -69,10 +69,6 @@ class Publisher:
         if config.probe_tokens < 2:
             logger.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
 
-    def due(self, version: int) -> bool:
-        """Whether version ``version`` is published (``every_steps`` divides it)."""
-        return version % self.config.every_steps == 0
-
     async def publish(self, version: int, send: Callable[[pa.RecordBatch], Awaitable[None]]) -> None:
         """Publish the model as ``version`` on every rank (collectives); rank 0 sends its record
         with ``send`` (after writing its file, or before the NCCL send)."""
