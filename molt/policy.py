@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from molt.config import differing_keys
 from molt.refit import PublishConfig
 
 if TYPE_CHECKING:
@@ -126,9 +127,9 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
                 warnings.append(f"{source}: {key} is {value} but {agreed[0]} is {agreed[1]}: {MISMATCH_COST}; "
                                 "hint: set policy.precision instead, for trainer and engines alike")
                 logger.warning(warnings[-1])
-            elif rel == "equal" and value != agreed[1] or rel == "at_most" and None not in (value, agreed[1]) \
-                    and value > agreed[1]:  # a rollout may admit more strictly, or without a bound of its own
-                raise ValueError(f"{source}: {key} is {value} but {agreed[0]} is {agreed[1]}"
+            elif (rel == "equal" and value != agreed[1]) or (rel == "at_most" and None not in (value, agreed[1])
+                                                              and value > agreed[1]):  # a rollout may admit more strictly
+                raise ValueError(f"{source}: {_first_difference(key, value, *agreed)}"
                                  f"{' (a rollout may admit only more strictly)' if rel == 'at_most' else ''}; "
                                  f"hint: state it once, as policy.{fact}, and remove the stages' keys")
         for model, name, _, key in mine:
@@ -140,6 +141,19 @@ def apply_policy(policy: PolicySpec, configs: dict[str, BaseModel], source: str)
                                      f"{agreed[0]}") from None
                 model.model_fields_set.discard(name)  # the agreed value, not the stage's (`filled`)
     return warnings
+
+
+def _first_difference(key: str, value: Any, other_key: str, other: Any) -> str:
+    """"KEY is VALUE but OTHER_KEY is OTHER", down to the first field where two configs differ:
+    e.g. "stages.train.config.weights.keep_versions is 3 but policy.weights.keep_versions is 1"."""
+    if isinstance(value, BaseModel) and isinstance(other, BaseModel):
+        mine: Any = value.model_dump(mode="json")
+        theirs: Any = other.model_dump(mode="json")
+        field = differing_keys(mine, theirs)[0]
+        for part in field.split("."):
+            mine, theirs = (d.get(part) if isinstance(d, dict) else None for d in (mine, theirs))
+        key, value, other_key, other = f"{key}.{field}", mine, f"{other_key}.{field}", theirs
+    return f"{key} is {value} but {other_key} is {other}"
 
 
 def check_group_filters(pipe: Pipeline) -> None:

@@ -46,6 +46,9 @@ def test_a_temperature_that_contradicts_another_fails_at_load_naming_both_keys()
                                          "stages.rollout.config.temperature is 0.8"):
         Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0.8",
                                         "stages.train.config.temperature=1.0"])
+    with pytest.raises(ValueError, match=r"stages.train.config.weights.keep_versions is 3 but "
+                                         r"policy.weights.keep_versions is 1; hint"):  # down to the field that differs
+        Pipeline.from_yaml(QUICKSTART, ["policy.weights={keep_versions: 1}", "stages.train.config.weights={keep_versions: 3}"])
     agreed = Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null", "stages.rollout.config.temperature=0.7"])
     assert facts(agreed)["train"][0] == 0.7, "the one stated value holds for the trainer too"
     assert facts(Pipeline.from_yaml(QUICKSTART, ["policy.temperature=null"]))["train"][0] == 1.0, "unstated: 1.0"
