@@ -32,8 +32,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt.config import apply_override, beside, check_requires, import_class, load_yaml, validate
-from molt.placement import PlacementSpec, check_placement
-from molt.policy import PolicySpec, apply_policy, check_group_filters, filled
+from molt.placement import PlacementSpec, check_placement, parse_ids
+from molt.policy import PolicySpec, apply_policy, filled
 from molt.schema import make_schema, resolve_fields
 from molt.stage import Port, Stage, StageConfig
 from molt.targets import StopWhen, check_metric_keys
@@ -79,24 +79,6 @@ class StageSpec(BaseModel):
                              "weights; hint: remove this stage, connect {from: train.weights, to: rollout.weights, "
                              "kind: broadcast, feedback: true} and move its config to policy.weights (molt.refit.PublishConfig)")
         return data
-
-
-def parse_ids(text: str, where: str) -> list[int]:
-    """Ids of a Linux CPU-list string: "0-2,5" -> [0, 1, 2, 5].
-
-    Raises:
-        ValueError: malformed or empty (``where`` names the YAML key).
-    """
-    ids: list[int] = []
-    try:
-        for part in text.split(","):
-            low, _, high = part.strip().partition("-")
-            ids += range(int(low), int(high or low) + 1)
-    except ValueError:
-        raise ValueError(f"{where}: {text!r} is not an id list such as '0' or '0-1,3'") from None
-    if not ids:
-        raise ValueError(f"{where}: {text!r} names no id")
-    return sorted(set(ids))
 
 
 class PipelineSpec(BaseModel):
@@ -372,6 +354,37 @@ def _check_graph(pipe: Pipeline) -> None:
     check_group_filters(pipe)
     check_placement(pipe.spec.placement, {sid: n.world_size for sid, n in pipe.stages.items()}, src)
     check_metric_keys(pipe.spec.stop_when, pipe.spec.keep_best, pipe.stages, src)
+
+
+def check_group_filters(pipe: Pipeline) -> None:
+    """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
+    bound (``max_staleness`` set) unless the filter's ``drops`` output reaches that stage's ``drops``
+    input over a broadcast edge: without the notices it counts a dropped group as trained and waits
+    for a version that never comes (a deadlock seen with max_staleness 0, two groups a step and one
+    flat group). A notice does not say which rollout made the group, so one replica may be bounded."""
+    for sid, n in pipe.stages.items():
+        if not n.cls.drops_groups:
+            continue
+        upstream: set[str] = set()
+        frontier = {sid}
+        while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
+            upstream |= frontier
+        bounds = {up: getattr(pipe.stages[up].config, "max_staleness", None) for up in sorted(upstream)}
+        bounded = {up: bound for up, bound in bounds.items() if bound is not None}
+        for up, bound in bounded.items():
+            if not any(e.src == sid and e.src_port == "drops" and e.dst == up and e.dst_port == "drops" and
+                       e.cfg.kind == "broadcast" for e in pipe.edges):
+                raise ValueError(
+                    f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which admits groups "
+                    f"under stages.{up}.config.max_staleness {bound}: without notices of the "
+                    f"drops it counts a dropped group as trained and would wait for a version that never comes; "
+                    f"hint: stages.{sid}.config.notify_drops: true, stages.{up}.config.drops_input: true and the "
+                    f"edge {{from: {sid}.drops, to: {up}.drops, kind: broadcast, feedback: true}}")
+        if (replicas := sum(pipe.stages[up].replicas for up in bounded)) > 1:
+            raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups made by {replicas} rollout replicas "
+                             f"under a max_staleness bound ({', '.join(f'stages.{u}' for u in bounded)}): a drop "
+                             "notice does not say which one made the group; hint: one bounded replica, or "
+                             "max_staleness: null (the train stage still refuses stale tokens)")
 
 
 def _output_schema(pipe: Pipeline, sid: str, port: str) -> pa.Schema:

@@ -49,6 +49,24 @@ from pydantic import BaseModel, ConfigDict, Field
 FORWARDED_ENV = ("MOLT_", "HF_", "VLLM_", "NCCL_")  # the runner's variables a remote launcher passes on
 
 
+def parse_ids(text: str, where: str) -> list[int]:
+    """Ids of a Linux CPU-list string: "0-2,5" -> [0, 1, 2, 5].
+
+    Raises:
+        ValueError: malformed or empty (``where`` names the YAML key).
+    """
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            ids += range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not an id list such as '0' or '0-1,3'") from None
+    if not ids:
+        raise ValueError(f"{where}: {text!r} names no id")
+    return sorted(set(ids))
+
+
 class StagePlacement(BaseModel):
     """``placement.stages.<id>``: what each of a stage's launchers asks of Ray (ignored locally but ``nodes``)."""
 

@@ -20,12 +20,12 @@ Where the YAML sets it (an override), the value is checked, by the field's ``rel
 - ``at_most`` (the rollout's max_staleness): no looser than the agreed bound, since the trainer
   refuses older tokens; a stricter admission is meaningful (replicas running unevenly stay within
   the trainer's bound), and so is none (null: admission unbounded, the trainer's bound still holds;
-  `check_group_filters` asks for it where a bound cannot be kept).
+  molt.pipeline.check_group_filters asks for it where a bound cannot be kept).
 - ``warn`` (precision): the trainer computes in the precision the engines sample in (DESIGN §10),
   so an on-policy step has ratio 1 within fp32 tolerance. A stage set otherwise is the user's
   choice: allowed, and warned about at load with what it costs.
 
-`check_group_filters` refuses a group filter under a staleness bound whose drops the rollout does
+molt.pipeline.check_group_filters refuses a group filter under a staleness bound whose drops the rollout does
 not hear of. (Measured, the quickstart's first on-policy step: `MISMATCH_COST`.)
 """
 
@@ -33,15 +33,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt.config import differing_keys
 from molt.refit import PublishConfig
-
-if TYPE_CHECKING:
-    from molt.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 Precision = Literal["float32", "bfloat16"]
@@ -154,34 +151,3 @@ def _first_difference(key: str, value: Any, other_key: str, other: Any) -> str:
             mine, theirs = (d.get(part) if isinstance(d, dict) else None for d in (mine, theirs))
         key, value, other_key, other = f"{key}.{field}", mine, f"{other_key}.{field}", theirs
     return f"{key} is {value} but {other_key} is {other}"
-
-
-def check_group_filters(pipe: Pipeline) -> None:
-    """Refuse a stage that drops whole groups downstream of one that admits them under a staleness
-    bound (``max_staleness`` set) unless the filter's ``drops`` output reaches that stage's ``drops``
-    input over a broadcast edge: without the notices it counts a dropped group as trained and waits
-    for a version that never comes (a deadlock seen with max_staleness 0, two groups a step and one
-    flat group). A notice does not say which rollout made the group, so one replica may be bounded."""
-    for sid, n in pipe.stages.items():
-        if not n.cls.drops_groups:
-            continue
-        upstream: set[str] = set()
-        frontier = {sid}
-        while frontier := {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream:
-            upstream |= frontier
-        bounds = {up: getattr(pipe.stages[up].config, "max_staleness", None) for up in sorted(upstream)}
-        bounded = {up: bound for up, bound in bounds.items() if bound is not None}
-        for up, bound in bounded.items():
-            if not any(e.src == sid and e.src_port == "drops" and e.dst == up and e.dst_port == "drops" and
-                       e.cfg.kind == "broadcast" for e in pipe.edges):
-                raise ValueError(
-                    f"{pipe.source}: stages.{sid} drops whole groups, downstream of stages.{up}, which admits groups "
-                    f"under stages.{up}.config.max_staleness {bound}: without notices of the "
-                    f"drops it counts a dropped group as trained and would wait for a version that never comes; "
-                    f"hint: stages.{sid}.config.notify_drops: true, stages.{up}.config.drops_input: true and the "
-                    f"edge {{from: {sid}.drops, to: {up}.drops, kind: broadcast, feedback: true}}")
-        if (replicas := sum(pipe.stages[up].replicas for up in bounded)) > 1:
-            raise ValueError(f"{pipe.source}: stages.{sid} drops whole groups made by {replicas} rollout replicas "
-                             f"under a max_staleness bound ({', '.join(f'stages.{u}' for u in bounded)}): a drop "
-                             "notice does not say which one made the group; hint: one bounded replica, or "
-                             "max_staleness: null (the train stage still refuses stale tokens)")
