@@ -210,5 +210,6 @@ def differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     """The dotted keys at which two plain-data trees (YAML mappings) differ, e.g.
     differing_keys({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c"]."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [k for key in sorted(set(a) | set(b), key=str) for k in differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
+        keys = sorted(set(a) | set(b), key=str)
+        return [k for key in keys for k in differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
     return [] if a == b else [prefix.rstrip(".")]

@@ -39,6 +39,7 @@ from molt.stage import Port, Stage, StageConfig
 from molt.targets import StopWhen, check_metric_keys
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
+FOLLOWS_WORLD_SIZE = {"follows": "world_size"}  # a config field's json_schema_extra: `_follow_world_size`
 
 
 class EdgeConfig(BaseModel):
@@ -77,7 +78,7 @@ class StageSpec(BaseModel):
         if isinstance(data, dict) and (data.get("colocate_with") or data.get("class") == "stages.broadcast.Broadcast"):
             raise ValueError("the broadcast stage (colocate_with: train) is gone: the train stage publishes its own "
                              "weights; hint: remove this stage, connect {from: train.weights, to: rollout.weights, "
-                             "kind: broadcast, feedback: true} and move its config to policy.weights (molt.refit.PublishConfig)")
+                             "kind: broadcast, feedback: true}; its config goes in policy.weights (molt.refit)")
         return data
 
 
@@ -113,7 +114,7 @@ class PipelineSpec(BaseModel):
                                      "or Ray actors")
     requires: dict[str, str] = Field(default_factory=dict, description="models this pipeline starts from that "
                                      "another pipeline makes: model name -> that pipeline's YAML (relative to this "
-                                     "file); molt run runs it first when the model is not in the cache (molt.runner.make_required)")
+                                     "file), run first when the cache lacks the model (molt.runner.make_required)")
     policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
                                description="what sampling and training agree on, stated once (molt.policy)")
     stages: dict[str, StageSpec]
@@ -316,10 +317,10 @@ def _build_edge(i: int, e: EdgeConfig, stages: dict[str, StageNode], source: str
 
 
 def _follow_world_size(pipe: Pipeline) -> None:
-    """A config field marked ``{"follows": "world_size"}`` (the pack stage's: the ranks it plans a step for)
+    """A config field marked FOLLOWS_WORLD_SIZE (the pack stage's: the ranks it plans a step for)
     takes the ``world_size`` of the stage its output feeds; stated otherwise, an error naming both keys."""
     for sid, n in pipe.stages.items():
-        for name in (k for k, f in type(n.config).model_fields.items() if f.json_schema_extra == {"follows": "world_size"}):
+        for name in (k for k, f in type(n.config).model_fields.items() if f.json_schema_extra == FOLLOWS_WORLD_SIZE):
             for dst in sorted({e.dst for e in pipe.edges if e.src == sid}):
                 have, ranks = getattr(n.config, name), pipe.stages[dst].world_size
                 if name not in n.config.model_fields_set:

@@ -34,8 +34,8 @@ exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
 also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
 Models the pipeline ``requires:`` are made first, by running the pipelines that make them
-(`make_required`). A run's targets (molt.targets): it stops the same way, ok, once ``stop_when`` is met; ``keep_best``
-spares checkpoints from pruning.
+(`make_required`). A run's targets (molt.targets): it stops the same way, ok, once ``stop_when``
+is met; ``keep_best`` spares checkpoints from pruning.
 """
 
 from __future__ import annotations
