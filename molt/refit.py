@@ -303,13 +303,13 @@ def check_probe(version: int, probe: Probe, engine_logprobs: list[float]) -> flo
     diffs = (torch.tensor(engine_logprobs, dtype=torch.float64)
              - torch.tensor(probe.logprobs, dtype=torch.float64)).abs()  # [P-1]
     diffs = torch.where(diffs.isnan(), torch.inf, diffs)  # a NaN fails too
-    if diffs.numel() == 0 or float(diffs.max()) <= probe.atol:
-        return float(diffs.max()) if diffs.numel() else 0.0
+    if (largest := float(diffs.max()) if diffs.numel() else 0.0) <= probe.atol:
+        return largest
     index = int(diffs.argmax())
     position = index + 1  # position in the probe sequence of the scored token
     raise RuntimeError(
         f"refit to version {version} failed the probe: engine and trainer logprobs differ by "
-        f"{float(diffs[index]):.3g} at position {position} (token id {probe.token_ids[position]}; "
+        f"{largest:.3g} at position {position} (token id {probe.token_ids[position]}; "
         f"tolerance {probe.atol:g}): the engine does not compute what the trainer exported; "
         "hint: a reload that corrupts or skips weights, or a bf16 side (raise "
         "policy.weights.probe_atol)")

@@ -42,7 +42,7 @@ from pydantic import Field
 from molt.columns import row_lengths
 from molt.edges import Barrier
 from molt.multimodal import row_images
-from molt.pipeline import FOLLOWS_WORLD_SIZE
+from molt.pipeline_spec import FOLLOWS_WORLD_SIZE
 from molt.policy import policy_field
 from molt.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens

@@ -89,8 +89,9 @@ class Publisher:
             await asyncio.to_thread(self.sender.send, state)
         else:
             assert self.folder is not None, "rank 0 of shm has a folder"
-            record = publish_weights(state, self.folder / f"policy_v{version}.safetensors", version, self._probe)
-            self._prune(Path(record["uri"].removeprefix("file://")))
+            path = self.folder / f"policy_v{version}.safetensors"
+            record = publish_weights(state, path, version, self._probe)
+            self._prune(path)
             await send(batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
         self.seconds = time.monotonic() - start
         logger.info("published version %d: %d tensors, %.1f MB in %.2fs (probe %.2fs)", version, len(state),
