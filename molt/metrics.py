@@ -51,8 +51,8 @@ class MetricsWriter:
 
     def log(self, values: dict[str, float], step: int | None = None,
             reduce: dict[str, Reduction] | None = None) -> None:
-        """Write one metrics line; keys get the ``stage/`` prefix."""
-        if self._file is None:
+        """Write one metrics line (none for no values); keys get the ``stage/`` prefix."""
+        if self._file is None or not values:
             return
         prefixed = {f"{self.stage_id}/{k}": float(v) for k, v in values.items()}
         red = {f"{self.stage_id}/{k}": r for k, r in (reduce or {}).items()}

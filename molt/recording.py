@@ -138,7 +138,8 @@ def summarize(path: str | os.PathLike[str], tokenizer: Any = None, num_samples: 
     """A readable summary: files, rows, columns with their docs, and sample rows.
 
     With ``tokenizer`` (a Hugging Face tokenizer) the ``token_ids`` of each sample are
-    decoded, generated spans (``loss_mask`` true) shown between ``[[`` and ``]]``.
+    decoded span by span, each line marked ``policy |`` where the policy generated it
+    (``loss_mask`` true) and ``context |`` elsewhere (prompt, tool results, env replies).
     """
     files = recording_files(path)
     batches = [b for f in files for b in read_batches(f)]
@@ -154,7 +155,7 @@ def summarize(path: str | os.PathLike[str], tokenizer: Any = None, num_samples: 
         lines.append(f"sample {i}:")
         lines += [f"  {k}: {_short(v)}" for k, v in row.items()]
         if tokenizer is not None and row.get("token_ids"):
-            lines.append("  text: " + _decode(tokenizer, row["token_ids"], row.get("loss_mask")))
+            lines += ["  text:", *_decode(tokenizer, row["token_ids"], row.get("loss_mask"))]
     return "\n".join(lines)
 
 
@@ -165,12 +166,14 @@ def _short(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
-def _decode(tokenizer: Any, token_ids: list[int], loss_mask: list[bool] | None) -> str:
+def _decode(tokenizer: Any, token_ids: list[int], loss_mask: list[bool] | None) -> list[str]:
+    """Lines of the decoded spans of equal ``loss_mask``, marked ``policy |`` or ``context |``."""
     mask = loss_mask or [False] * len(token_ids)
-    spans, start = [], 0
+    lines, start = [], 0
     for i in range(1, len(token_ids) + 1):
         if i == len(token_ids) or mask[i] != mask[start]:
-            text = tokenizer.decode(token_ids[start:i])
-            spans.append(f"[[{text}]]" if mask[start] else text)
+            who = "policy " if mask[start] else "context"
+            lines += [f"    {who if n == 0 else ' ' * 7} | {line}"
+                      for n, line in enumerate(tokenizer.decode(token_ids[start:i]).split("\n"))]
             start = i
-    return "".join(spans)
+    return lines

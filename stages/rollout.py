@@ -50,6 +50,7 @@ class Rollout(Service):
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
         agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
         max_turns: int = Field(1, ge=1, description="policy turns per rollout (env/agent); more is cut")
+        tool_parser: str = Field("hermes", description="the format of tool calls (molt.agents.tools), or an import path")
         max_concurrent_groups: int = Field(8, ge=1)
         max_staleness: int | None = policy_field("max_staleness", None, "at_most", ge=0, description="None = unbounded")
         groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="groups a step; replicas: a share each")
@@ -75,7 +76,7 @@ class Rollout(Service):
         where, replica = f"stages.{self.ctx.stage_id}.config", self.ctx.replica
         self.env_cls, self.agent_cls = episode_classes(c.env, c.agent, where)
         self.model_dir = resolve_model(c.model)
-        self.chat = ChatTemplate.for_model(self.model_dir)
+        self.chat = ChatTemplate.for_model(self.model_dir, c.tool_parser, f"{where}.tool_parser")
         self.restarter = EngineRestarter(c.engine_restarts, lambda: make_engine(
             c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica)), self.log,
             self.metrics, self.ctx.inputs.get("weights"))
@@ -94,8 +95,6 @@ class Rollout(Service):
             self.log.warning("max_turns is 1: a multi-turn env or agent ends after its first turn")
 
     async def run(self) -> None:  # the tasks of the module docstring; the first to fail stops the others
-        if self.server is not None:
-            await self.server.start()
         self.finished, self.groups = asyncio.Queue[Any](), set[Any]()  # finished groups; those running
         await self._refit()  # weights already published (a resumed run's) and the first evaluation
         listening = {p: asyncio.create_task(self._listen(p), name=p) for p in ("weights", "drops") if p in self.ctx.inputs}
@@ -183,11 +182,12 @@ class Rollout(Service):
         self.metrics.log({"group_seconds": time.monotonic() - start, "policy_version": self.engine.policy_version})
         return index, batch_from_rows(rows, self.schema) if rows else None
 
-    async def _episode(self, task: dict[str, Any], request_id: str) -> Episode:
-        if self.server is not None:
-            return await self.server.run_episode(self.agent_cls(), task, request_id)  # type: ignore[misc]
-        return await run_episode(self.engine, self.chat, self.env_cls(), task, self.params, request_id,
-                                 self.config.max_turns, self.config.engine.max_model_len)
+    async def _episode(self, task: dict[str, Any], rid: str) -> Episode:
+        c, server = self.config, self.server
+        ep = await (server.run_episode(self.agent_cls(), task, rid) if server else run_episode(  # type: ignore[misc]
+            self.engine, self.chat, self.env_cls(), task, self.params, rid, c.max_turns, c.engine.max_model_len))
+        self.metrics.log(ep.tool_metrics())  # tool/*, with tools only
+        return ep
 
     async def _refit(self, item: pa.RecordBatch | None = None) -> None:
         """Refit to ``item`` (None: the newest waiting) once no evaluation runs (molt.evaluation); verified."""

@@ -24,7 +24,6 @@ def serve(model, chat, agent, max_turns=5, engine=None):
 
     async def main():
         server = ChatServer(engine, chat, SamplingParams(temperature=1.0, max_new_tokens=5, seed=2), max_turns, 400)
-        await server.start()
         try:
             return await server.run_episode(agent, {"question": "What is 2+2?"}, "g#0/0")
         finally:
@@ -94,7 +93,7 @@ class Options(ChatAgent):
 
 @pytest.mark.parametrize("options", [{"typical_p": 0.9}, {"top_a": 0.1}, {"response_format": {"type": "json_object"}},
                                      {"top_k": 5}, {"top_k": False}, {"logprobs": True}, {"seed": 3}, {"stop": ["\n"]},
-                                     {"tools": [{"type": "function", "function": {"name": "f"}}]}])
+                                     {"parallel_tool_calls": False}])
 def test_every_option_the_server_does_not_apply_is_refused_naming_it(tiny_chat_model, chat, options):
     [key] = options
     with pytest.raises(AgentError, match=rf"BadRequestError.*unsupported options \['{key}'\]"):

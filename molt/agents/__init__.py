@@ -4,3 +4,4 @@ from molt.agents.base import AgentError, Env, Message, Result, SingleTurn, episo
 from molt.agents.chat import ChatTemplate
 from molt.agents.episode import Episode, Segment, episode_rows, run_episode, run_group
 from molt.agents.openai_server import ChatAgent, ChatServer
+from molt.agents.tools import Tool, tool_parser

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from molt.agents.tools import Tool
 
 # {"role": "user" | "assistant" | "system" | "tool", "content": str | list of text/image parts (molt.multimodal)}
 Message = dict[str, Any]
@@ -48,7 +52,13 @@ class AgentError(RuntimeError):
 
 
 class Env(abc.ABC):
-    """One episode of a task. A new instance is made for every rollout."""
+    """One episode of a task. A new instance is made for every rollout.
+
+    ``tools``: the tools the policy may call (molt.agents.tools.Tool; a class attribute or set
+    in ``__init__``); the framework renders them into the prompt, runs the calls and returns their
+    results, and ``step`` sees only the turns that call none (molt.agents.episode)."""
+
+    tools: Sequence[Tool] = ()
 
     @abc.abstractmethod
     def reset(self, task: dict[str, Any]) -> list[Message]:

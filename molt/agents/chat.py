@@ -12,39 +12,58 @@ caller starts a new segment.
 Images (a vision-language model, ``vision`` given): image parts of messages render as
 the processor's placeholder and each placeholder token becomes that image's image tokens
 (molt.multimodal); ``images(messages)`` returns their encoded bytes in the same order.
+
+Tools (``tools``: OpenAI tool definitions): rendered by the template where it renders tools,
+else by the documented fallback of the tool parser's format (molt.agents.tools).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from molt.agents.base import Message
+from molt.agents.tools import HermesParser, ToolParser, fallback_messages, template_messages, tool_parser
 from molt.multimodal import VisionProcessor, flatten_messages
 
 _PROBE = "\u2063molt-probe\u2063"
+_PROBE_TOOL = {"type": "function", "function": {"name": "molt_probe", "description": "",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
 class ChatTemplate:
     """Renders prompts and turn deltas with a Hugging Face tokenizer's template."""
 
-    def __init__(self, tokenizer: Any, vision: VisionProcessor | None = None) -> None:
+    def __init__(self, tokenizer: Any, vision: VisionProcessor | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; hint: use an instruct model "
                              "whose tokenizer_config.json or chat_template.jinja defines one")
         self.tok, self.vision = tokenizer, vision
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        self.tool_parser = tool_parser or HermesParser()
+        try:  # whether the template renders tools (else: the tool parser's fallback, molt.agents.tools)
+            probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[_PROBE_TOOL], tokenize=False)
+            self.renders_tools = "molt_probe" in probe
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+            self.renders_tools = False
 
     @classmethod
-    def for_model(cls, model_dir: Any) -> ChatTemplate:
-        """The template of a model folder, with its image processor if it has one."""
+    def for_model(cls, model_dir: Any, tool_format: str = "hermes", where: str = "tool_parser") -> ChatTemplate:
+        """The template of a model folder, with its image processor if it has one and the tool parser of
+        ``tool_format`` (molt.agents.tools.tool_parser, which raises naming ``where``)."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(tokenizer, VisionProcessor.of(model_dir, tokenizer))
+        return cls(tokenizer, VisionProcessor.of(model_dir, tokenizer), tool_parser(tool_format, where))
 
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: Sequence[dict[str, Any]] = ()) -> str:
+        """The template's text of ``messages`` (with ``tools``: OpenAI tool definitions, module docstring)."""
+        native = self.renders_tools or not tools
+        messages = template_messages(messages) if native else fallback_messages(messages, tools, self.tool_parser)
         flat, _ = flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")
-        return str(self.tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt))
+        return str(self.tok.apply_chat_template(flat, tools=list(tools) if tools and native else None, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt))
 
     @property
     def image_token_id(self) -> int | None:
@@ -61,28 +80,30 @@ class ChatTemplate:
         ids = list(self.tok.encode(text, add_special_tokens=False))
         return self.vision.expand(ids, images or []) if self.vision is not None else ids
 
-    def prompt_ids(self, messages: list[Message]) -> list[int]:
-        """[P] token ids of the opening messages plus the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True), self.images(messages))
+    def prompt_ids(self, messages: list[Message], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
+        """[P] token ids of the opening messages (and ``tools``) plus the generation prompt."""
+        return self.encode(self.render(messages, True, tools), self.images(messages))
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens (for the env and graders only, never for training)."""
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
 
-    def turn_delta_ids(self, messages: list[Message], new: list[Message], ended_with_eos: bool) -> list[int]:
+    def turn_delta_ids(self, messages: list[Message], new: list[Message], ended_with_eos: bool,
+                       tools: Sequence[dict[str, Any]] = ()) -> list[int]:
         """Token ids that follow the assistant's last generated token to open the next turn.
 
         ``messages`` is the conversation so far ending with the assistant turn,
-        ``new`` the environment's messages. If the assistant turn did not end with
-        EOS (cut by length), the template's end-of-turn text is included.
+        ``new`` the environment's messages (or tool results), ``tools`` the conversation's. If
+        the assistant turn did not end with EOS (cut by length), the template's end-of-turn
+        text is included.
 
         Raises:
             ValueError: the template renders earlier turns differently once ``new``
                 is added (the delta is not a pure suffix).
         """
         probe = [*messages[:-1], {"role": "assistant", "content": _PROBE}]
-        before = self.render(probe, add_generation_prompt=False)
-        after = self.render([*probe, *new], add_generation_prompt=True)
+        before = self.render(probe, False, tools)
+        after = self.render([*probe, *new], True, tools)
         if not after.startswith(before):
             raise ValueError("the chat template rewrites earlier turns when a message is added; "
                              "hint: this turn must start a new segment")

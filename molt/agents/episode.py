@@ -8,6 +8,13 @@ template cannot extend the sequence (it rewrites earlier turns), the rollout sta
 a new *segment* from a fresh render of the whole conversation; segments share the
 rollout's reward.
 
+Tools (an env with ``tools``, molt.agents.tools): a turn in which the chat template's tool
+parser finds calls is not the env's: the framework runs the calls (each in a worker thread)
+and appends their results as ``tool`` messages (``loss_mask`` false); a turn without calls
+(plain text, or a malformed call, which is counted and passed on as the text it is) goes to
+``env.step``, and so does a last turn (``max_turns``) that calls tools. ``info`` counts
+``tool_calls``, ``malformed_tool_calls`` and ``tool_turns`` (turns parsed).
+
 Budgets: ``max_turns`` policy turns and ``max_total_tokens`` per segment (the
 context window): a turn gets ``min(max_new_tokens, budget left)`` new tokens and an
 episode with no budget left ends as truncated (finish_reason ``length``).
@@ -25,6 +32,7 @@ import numpy as np
 
 from molt.agents.base import AgentError, Env, Message
 from molt.agents.chat import ChatTemplate
+from molt.agents.tools import ParsedTurn, Tool, run_tool
 from molt.engines.base import Completion, Engine, SamplingParams
 
 
@@ -105,6 +113,13 @@ class Episode:
     completion_text: str
     info: dict[str, Any]
 
+    def tool_metrics(self) -> dict[str, float]:
+        """Its tool figures (`count_tool_calls`): ``tool/calls`` and ``tool/malformed_frac`` (the share of its parsed
+        turns holding a malformed call); {} for an episode without tools."""
+        turns = self.info.get("tool_turns", 0)
+        return {"tool/calls": self.info["tool_calls"],
+                "tool/malformed_frac": self.info["malformed_tool_calls"] / turns} if turns else {}
+
 
 async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[str, Any],
                       params: SamplingParams, request_id: str, max_turns: int = 1,
@@ -117,8 +132,10 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
         AgentError: ``env.reset`` or ``env.step`` raised (the caller counts the failure).
     """
     messages: list[Message] = list(_call_env(env.reset, task, request_id))
+    env_tools = getattr(env, "tools", ())  # an env need not subclass Env
+    tools, schemas = {t.name: t for t in env_tools}, [t.schema() for t in env_tools]
     seg = Segment(image_token_id=chat.image_token_id)
-    seg.extend_context(chat.prompt_ids(messages), chat.images(messages))
+    seg.extend_context(chat.prompt_ids(messages, schemas), chat.images(messages))
     if not 0 < len(seg.token_ids) < max_total_tokens:
         raise ValueError(f"request {request_id}: prompt has {len(seg.token_ids)} tokens; the context "
                          f"window (max_total_tokens) is {max_total_tokens}; hint: shorten the prompt")
@@ -136,28 +153,49 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
                              "which no image fills and no forward can take; the rollout counts as failed")
         seg.extend_generated(out)
         text = chat.decode(out.token_ids)
-        messages.append({"role": "assistant", "content": text})
-        result = _call_env(env.step, text, request_id)
-        score, finish, info = result.reward, out.finish_reason, {**info, **result.info}
-        if result.terminated or result.truncated or out.finish_reason == "abort" or turns == max_turns:
-            ended = result.terminated or result.truncated or out.finish_reason == "abort"
-            finish = "length" if result.truncated or not ended else finish
-            if not ended:
-                info["cut_by_max_turns"] = True
-            break
-        if result.observation is None:
-            raise AgentError(f"request {request_id}: env.step returned no observation without ending the "
-                             "episode; hint: set terminated=True or give the next message")
-        new = [result.observation if isinstance(result.observation, dict)
-               else {"role": "user", "content": str(result.observation)}]
+        parsed = chat.tool_parser.parse(text, f"call_{turns}") if tools and out.finish_reason != "abort" else None
+        count_tool_calls(info, parsed)
+        if parsed and parsed.calls and turns < max_turns:  # the framework runs the calls; results are the next input
+            call, *new = await _tool_turn(parsed, tools)
+            messages.append(call)
+        else:
+            messages.append({"role": "assistant", "content": text})
+            result = _call_env(env.step, text, request_id)
+            score, finish, info = result.reward, out.finish_reason, {**info, **result.info}
+            if result.terminated or result.truncated or out.finish_reason == "abort" or turns == max_turns:
+                ended = result.terminated or result.truncated or out.finish_reason == "abort"
+                finish = "length" if result.truncated or not ended else finish
+                if not ended:
+                    info["cut_by_max_turns"] = True
+                break
+            if result.observation is None:
+                raise AgentError(f"request {request_id}: env.step returned no observation without ending the "
+                                 "episode; hint: set terminated=True or give the next message")
+            new = [result.observation if isinstance(result.observation, dict)
+                   else {"role": "user", "content": str(result.observation)}]
         try:
-            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop"), chat.images(new))
+            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop", schemas), chat.images(new))
         except ValueError:  # the template rewrote earlier turns: continue in a new segment
             seg = Segment(image_token_id=chat.image_token_id)
-            seg.extend_context(chat.prompt_ids([*messages, *new]), chat.images([*messages, *new]))
+            seg.extend_context(chat.prompt_ids([*messages, *new], schemas), chat.images([*messages, *new]))
             segments.append(seg)
         messages += new
     return Episode(segments, score, finish, turns, text, info)
+
+
+async def _tool_turn(parsed: ParsedTurn, tools: dict[str, Tool]) -> list[Message]:
+    """The assistant message of a turn that calls tools, then the calls' results (each run in a worker thread)."""
+    results = [await asyncio.to_thread(run_tool, tools, c) for c in parsed.calls]
+    return [{"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]},
+            *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(parsed.calls, results))]
+
+
+def count_tool_calls(info: dict[str, Any], parsed: ParsedTurn | None) -> None:
+    """Count a turn's tool calls and malformed calls in an episode's ``info`` (``tool_calls``, ``malformed_tool_calls``,
+    ``tool_turns``: turns parsed for calls); nothing for a turn not parsed (None)."""
+    if parsed is not None:
+        for key, n in (("tool_turns", 1), ("tool_calls", len(parsed.calls)), ("malformed_tool_calls", bool(parsed.malformed))):
+            info[key] = info.get(key, 0) + n
 
 
 def _call_env(method: Any, arg: Any, request_id: str) -> Any:

@@ -12,13 +12,19 @@ it would against any server. For each request the server:
    token-exact *segment* starts from a fresh render; segments share one reward;
 2) generates from the exact token ids with the engine and appends the engine's
    token ids, logprobs and versions untouched;
-3) answers with the decoded text.
+3) answers with the decoded text, or, when the request has ``tools``, with the ``tool_calls`` the
+   chat template's tool parser finds in it (molt.agents.tools; ``finish_reason`` "tool_calls").
+   A malformed call is answered as the text it is, with ``finish_reason`` "malformed_tool_call"
+   ("length" when the turn was cut). ``role: "tool"`` messages are the results the agent sends
+   back; they render as template deltas like any message.
 
 Sampling is the rollout stage's (temperature, max_new_tokens); a request asking for
 another temperature or ``n > 1`` gets HTTP 400, so nothing the agent sees is sampled
 differently from what is recorded. Every other request option is applied (``max_tokens``,
 ``model`` echoed, ``user`` ignored as the API defines it) or refused with HTTP 400 naming it,
 unless its value is "off" (``top_k`` -1 or 0, ``top_p`` 1, ``stream`` false, ...: `_OFF`).
+``tool_choice`` may be "auto" (the default) or "none" (the reply is not parsed for calls): forcing a
+call needs constrained decoding, which samples from another distribution than the policy's.
 ``max_turns`` requests per rollout, then HTTP 400.
 """
 
@@ -36,7 +42,7 @@ from aiohttp import web
 
 from molt.agents.base import AgentError, Message
 from molt.agents.chat import ChatTemplate
-from molt.agents.episode import Episode, Segment
+from molt.agents.episode import Episode, Segment, count_tool_calls
 from molt.engines.base import Engine, EngineDeadError, SamplingParams
 
 
@@ -61,6 +67,8 @@ class ChatSession:
     turns: int = 0
     last_text: str = ""
     usage: dict[str, int] = dataclasses.field(default_factory=dict)
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the current segment's
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)  # tool-call counts (molt.agents.episode)
     engine_dead: EngineDeadError | None = None  # the engine died serving this rollout
 
 
@@ -75,8 +83,10 @@ class ChatServer:
         self.executor = ThreadPoolExecutor(max_workers=max_agents, thread_name_prefix="chat_agent")
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._started: asyncio.Future[None] | None = None
 
     async def start(self, host: str = "127.0.0.1") -> None:
+        """Serve on a free loopback port (`run_episode` starts it on first use)."""
         app = web.Application()
         app.router.add_post("/r/{rid}/v1/chat/completions", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
@@ -105,6 +115,8 @@ class ChatServer:
         """
         import openai
 
+        self._started = self._started or asyncio.ensure_future(self.start())  # once, however many rollouts ask
+        await self._started
         key = uuid.uuid4().hex  # rollout ids hold '#' and '/', which do not belong in a URL path
         self.sessions[key] = ChatSession(rollout_id)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/r/{key}/v1", api_key="molt", max_retries=0)
@@ -119,7 +131,7 @@ class ChatServer:
                 raise session.engine_dead
         if not session.segments:
             raise AgentError(f"rollout {rollout_id}: the agent made no chat completion request")
-        return Episode(session.segments, reward, session.finish_reason, session.turns, session.last_text, {})
+        return Episode(session.segments, reward, session.finish_reason, session.turns, session.last_text, session.info)
 
     async def _handle(self, request: web.Request) -> web.Response:
         session = self.sessions.get(request.match_info["rid"])
@@ -129,17 +141,17 @@ class ChatServer:
         problem = self._check(session, body)
         if problem:
             return _error(400, problem)
-        messages = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
         try:
-            text = await self._turn(session, messages, body.get("max_tokens") or body.get("max_completion_tokens"))
+            message, finish = await self._turn(session, [_message(m) for m in body["messages"]], body.get("tools") or [],
+                                               body.get("tool_choice") != "none",
+                                               body.get("max_tokens") or body.get("max_completion_tokens"))
         except EngineDeadError as error:  # the rollout restarts the engine and runs the group again
             session.engine_dead = error
             return _error(503, f"the engine died: {error}")
         return web.json_response({
             "id": f"molt-{session.rollout_id}-{session.turns}", "object": "chat.completion", "created": 0,
             "model": body.get("model", "molt"), "usage": session.usage,
-            "choices": [{"index": 0, "finish_reason": session.finish_reason, "logprobs": None,
-                         "message": {"role": "assistant", "content": text}}]})
+            "choices": [{"index": 0, "finish_reason": finish, "logprobs": None, "message": message}]})
 
     def _check(self, session: ChatSession, body: dict[str, Any]) -> str:
         if session.turns >= self.max_turns:
@@ -155,20 +167,29 @@ class ChatServer:
             return (f"unsupported options {unsupported} (only these are applied: {sorted(_APPLIED)}; these are "
                     f"accepted when off: {_OFF}); the rollout samples with temperature "
                     f"{self.params.temperature} and records exactly that; hint: leave them unset")
-        if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
-            return "messages must have string contents"
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            return (f"tool_choice {body['tool_choice']!r} is not supported: forcing a call needs constrained decoding, "
+                    "which samples from another distribution than the policy's; hint: leave it unset (auto)")
+        if not all(isinstance(t, dict) and isinstance(t.get("function", {}).get("name"), str)
+                   for t in body.get("tools") or []):
+            return 'tools must be [{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]'
+        if not all(isinstance(m.get("content"), str) or m.get("role") == "assistant" and m.get("tool_calls")
+                   for m in body.get("messages", [])):
+            return "messages must have string contents (an assistant message with tool_calls may have none)"
         return "" if body.get("messages") else "messages is empty"
 
-    async def _turn(self, session: ChatSession, messages: list[Message], max_tokens: int | None) -> str:
-        # 1) extend the current segment by a template delta, or start a new segment
+    async def _turn(self, session: ChatSession, messages: list[Message], tools: list[dict[str, Any]], parse: bool,
+                    max_tokens: int | None) -> tuple[Message, str]:
+        # 1) extend the current segment by a template delta, or start a new segment (also when the tools change)
         known = session.messages
         delta: list[int] | None = None
-        if session.segments and messages[:len(known)] == known and len(messages) > len(known):
+        if session.segments and tools == session.tools and messages[:len(known)] == known and len(messages) > len(known):
             with contextlib.suppress(ValueError):  # the template rewrote earlier turns: a new segment
-                delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop")
+                delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop", tools)
         if delta is None:
             session.segments.append(Segment())
-        session.segments[-1].extend_context(self.chat.prompt_ids(messages) if delta is None else delta)
+        session.tools = tools
+        session.segments[-1].extend_context(self.chat.prompt_ids(messages, tools) if delta is None else delta)
         seg = session.segments[-1]
         # 2) generate from the exact ids, within the turn's and the context's budget
         budget = min(self.params.max_new_tokens, max_tokens or self.params.max_new_tokens,
@@ -180,20 +201,42 @@ class ChatServer:
         session.usage = {"prompt_tokens": len(seg.token_ids), "completion_tokens": len(out.token_ids),
                          "total_tokens": len(seg.token_ids) + len(out.token_ids)}
         seg.extend_generated(out)
-        # 3) answer with the decoded text; remember the conversation it ends
+        # 3) answer with the decoded text or the calls in it; remember the conversation it ends
         session.last_text, session.finish_reason = self.chat.decode(out.token_ids), out.finish_reason
-        session.messages = [*messages, {"role": "assistant", "content": session.last_text}]
-        return session.last_text
+        parsed = self.chat.tool_parser.parse(session.last_text, f"call_{session.turns}") if tools and parse else None
+        count_tool_calls(session.info, parsed)
+        message: Message = {"role": "assistant", "content": session.last_text}
+        finish: str = out.finish_reason
+        if parsed is not None and parsed.calls:
+            message, finish = {**message, "content": parsed.content,
+                               "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls"
+        elif parsed is not None and parsed.malformed and finish == "stop":
+            finish = "malformed_tool_call"
+        session.messages = [*messages, message]
+        return message, finish
 
 
 # Request keys the server applies; every other key is refused with HTTP 400 unless its value is
 # None or one of its "off" values below (which leave sampling as the rollout does it).
-_APPLIED = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "n", "user"})
+_APPLIED = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "n", "user", "tools",
+                      "tool_choice"})
 _OFF: dict[str, tuple[Any, ...]] = {
     "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "stop": ([], ""), "presence_penalty": (0,),
     "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},), "stream": (False,),
-    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": ([],),
-    "tool_choice": ("none",)}
+    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True,)}
+
+
+def _message(m: dict[str, Any]) -> Message:
+    """A request message as the server compares and renders it: role, content, and an assistant's ``tool_calls``
+    or a tool result's ``tool_call_id`` (the SDK's other fields, e.g. ``refusal: null``, dropped)."""
+    out: Message = {"role": m["role"], "content": m.get("content")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in m["tool_calls"]]
+    if m["role"] == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+    return out
 
 
 def _is_off(key: str, value: Any) -> bool:

