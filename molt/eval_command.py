@@ -122,7 +122,7 @@ async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, E
             start = time.monotonic()
             values = await evaluate(engine, chat, problems[name], t.grader, max_new_tokens=t.max_new_tokens,
                                     max_model_len=engine_config.max_model_len, samples=t.samples,
-                                    temperature=heat or 0.0, tag=name)
+                                    temperature=heat or 0.0, tag=name, agent=t.agent, max_turns=t.max_turns)
             report[name] = {**values, "num_problems": len(problems[name]), "seconds": time.monotonic() - start,
                             "samples": t.samples, "temperature": heat}
         return report

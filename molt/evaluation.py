@@ -17,6 +17,11 @@ n samples right (score 1):
 Each is reported as its mean over the N problems with a standard error ``KEY_stderr`` =
 sqrt(v / N), v the population variance of the per-problem values (for 0/1 values the binomial
 sqrt(p (1 - p) / N)). Example: n = 5, c = 2 -> pass@1 0.4, pass@2 0.7, pass@4 1.0, pass@5 1.0.
+
+With ``agent`` (a ChatAgent's import path) each completion is an episode of that agent (its tool calls
+and their results included, at most ``max_turns`` requests) on the engine's OpenAI endpoint, and the text of
+its last reply is graded (not its calls); the agent's own reward is not used, and an episode the agent
+fails (it raised) is graded wrong.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from molt.agents import ChatTemplate, SingleTurn, run_episode
+from molt.agents import AgentError, ChatServer, ChatTemplate, SingleTurn, episode_classes, run_episode
 from molt.engines.base import Engine, SamplingParams
 from molt.graders import Grade, GraderConfig, MathGrader
 from molt.metrics import logged_steps
@@ -49,6 +54,14 @@ EVAL_SCHEMA = make_schema([
     pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
     pa.field("task", pa.string(), metadata={b"doc": b"the task's name in tasks; empty for the one task"}),
 ], "eval")
+
+
+def _importable_agent(agent: str | None) -> str | None:
+    from molt.config import import_class
+
+    if agent is not None:
+        import_class(agent, "agent")  # a typo fails at load
+    return agent
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -97,33 +110,47 @@ def sampled_metrics(grades: Sequence[Sequence[Grade]]) -> dict[str, list[float]]
 
 async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any,
                         params: SamplingParams, samples: int, max_model_len: int, tag: str,
-                        version: int) -> list[list[Grade]]:
-    """``samples`` single-turn completions of every problem, all in flight at once, each graded
-    (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``. Returns [problem][sample].
+                        version: int, agent: str | None = None, max_turns: int = 1) -> list[list[Grade]]:
+    """``samples`` single-turn completions (or ``agent`` episodes, module docstring) of every problem, all in
+    flight at once, each graded (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``.
+    Returns [problem][sample].
 
     Raises:
         RuntimeError: a completion holds tokens of a policy version other than ``version`` (the weights
             changed during the evaluation).
     """
+    agent_cls = episode_classes(None, agent, "evaluation.agent")[1]
+    server = ChatServer(engine, chat, params, max_turns, max_model_len) if agent_cls else None
+
     async def one(index: int, problem: dict[str, Any], sample: int) -> Grade:
-        episode = await run_episode(engine, chat, SingleTurn(), problem, params, f"{tag}-{index}.{sample}", 1,
-                                    max_model_len)
+        rid = f"{tag}-{index}.{sample}"
+        try:
+            episode = await (server.run_episode(agent_cls(), problem, rid) if server and agent_cls else  # type: ignore[misc]
+                             run_episode(engine, chat, SingleTurn(), problem, params, rid, 1, max_model_len))
+        except AgentError:  # the agent's failure: graded wrong (module docstring)
+            return Grade(0.0, None)
         if other := {v for seg in episode.segments for v, m in zip(seg.policy_version, seg.loss_mask) if m} - {version}:
             raise RuntimeError(f"evaluation {tag}: a completion holds tokens of version {sorted(other)} in an "
                                f"evaluation of version {version}; the weights changed during it")
         grade: Grade = grader.grade(episode.completion_text, str(problem["answer"]))
         return grade
 
-    flat = await asyncio.gather(*(one(i, p, s) for i, p in enumerate(problems) for s in range(samples)))
+    try:
+        flat = await asyncio.gather(*(one(i, p, s) for i, p in enumerate(problems) for s in range(samples)))
+    finally:
+        if server is not None:
+            await server.stop()
     return [flat[i * samples:(i + 1) * samples] for i in range(len(problems))]
 
 
 async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any, *,
                    max_new_tokens: int, max_model_len: int, samples: int = 1, temperature: float = 0.0,
-                   tag: str = "eval", version: int | None = None) -> dict[str, float]:
+                   tag: str = "eval", version: int | None = None, agent: str | None = None,
+                   max_turns: int = 1) -> dict[str, float]:
     """Greedy ``accuracy`` of the engine's current weights on ``problems`` and, with ``samples`` > 1,
     pass@k, avg@n and maj@n at ``temperature``; each with ``KEY_stderr`` (the module docstring). Every
-    token evaluated must be of ``version`` (default: the engine's at the start; `grade_samples`).
+    token evaluated must be of ``version`` (default: the engine's at the start; `grade_samples`); with
+    ``agent``, of that agent's episodes (module docstring).
 
     Raises:
         ValueError: no problems, or ``samples`` > 1 at temperature 0 (n copies of the greedy answer).
@@ -136,12 +163,14 @@ async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[s
         raise ValueError(f"{samples} samples at temperature {temperature} are one greedy answer {samples} times; "
                          "hint: sample at a temperature > 0, e.g. 0.8")
     greedy = await grade_samples(engine, chat, problems, grader, SamplingParams(temperature=0.0,
-                                 max_new_tokens=max_new_tokens), 1, max_model_len, f"{tag}-greedy", version)
+                                 max_new_tokens=max_new_tokens), 1, max_model_len, f"{tag}-greedy", version, agent,
+                                 max_turns)
     values = summarise({"accuracy": [g[0].score for g in greedy]})
     if samples > 1:
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         values |= summarise(sampled_metrics(await grade_samples(engine, chat, problems, grader, params, samples,
-                                                                max_model_len, f"{tag}-t{temperature:g}", version)))
+                                                                max_model_len, f"{tag}-t{temperature:g}", version,
+                                                                agent, max_turns)))
     return values
 
 
@@ -179,6 +208,10 @@ class EvalTask(BaseModel):
     temperature: float | None = Field(None, gt=0, description="of the samples (molt eval: default the policy's)")
     every_versions: int | None = Field(None, ge=1, description="in a run: evaluate versions divisible by this "
                                        "(default: the stage's every_versions)")
+    agent: str | None = Field(None, description="import path of a ChatAgent whose episodes are graded (tool use)")
+    max_turns: int = Field(4, ge=1, description="requests per agent episode")
+
+    _agent = field_validator("agent")(_importable_agent)
 
     _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
 
@@ -194,6 +227,10 @@ class EvaluationConfig(StageConfig):
     max_new_tokens: int = Field(24, ge=1, description="per completion (of task)")
     grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
                                  description="of task: {type: math}, {type: exact} or {type: shapes}")
+    agent: str | None = Field(None, description="of task: a ChatAgent's import path (EvalTask)")
+    max_turns: int = Field(4, ge=1, description="of task: requests per agent episode")
+
+    _agent = field_validator("agent")(_importable_agent)
 
     _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
 
@@ -209,7 +246,8 @@ class EvaluationConfig(StageConfig):
         """Each task by its metric prefix ("" for ``task``, its name for one of ``tasks``), intervals filled."""
         if self.task is not None:
             return {"": EvalTask.model_validate({"task": self.task, "grader": self.grader, "every_versions":
-                                                 self.every_versions, "max_new_tokens": self.max_new_tokens})}
+                                                 self.every_versions, "max_new_tokens": self.max_new_tokens,
+                                                 "agent": self.agent, "max_turns": self.max_turns})}
         return {name: t.model_copy(update={"every_versions": t.every_versions or self.every_versions})
                 for name, t in self.tasks.items()}
 
@@ -333,7 +371,8 @@ class Evaluator:
             values: dict[str, Any] = await evaluate(
                 engine, self.stage.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
                 max_model_len=self.stage.config.engine.max_model_len, samples=t.samples,
-                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}", version=version)
+                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}", version=version,
+                agent=t.agent, max_turns=t.max_turns)
             values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
             if not self.evaluated[name]:
                 values["accuracy_baseline"] = values["accuracy"]

@@ -7,13 +7,14 @@
       groups_per_step: 16                     # rollout admission and pack
       max_staleness: 1                        # the trainer's bound; a rollout may admit more strictly
       weights: {keep_versions: 1}             # how the trainer publishes its weights output (molt.refit)
+      tool_parser: hermes                     # the format of tool calls: rollout, evaluation and SFT records alike
 
 A stage config field declared with `policy_field` names the fact it holds. Where the YAML leaves
 it unset, it takes the block's value when the pipeline loads (`apply_policy`), or, where the block
 leaves the fact out, the value a stage states (so a fact stated once anywhere holds for all).
 Where the YAML sets it (an override), the value is checked, by the field's ``relation``:
 
-- ``equal`` (model, temperature, groups_per_step, the trainer's max_staleness, weights): every
+- ``equal`` (model, temperature, groups_per_step, the trainer's max_staleness, weights, tool_parser): every
   stated value must be the same; a contradiction fails at load naming both keys. (A trainer's
   temperature at 1.0 against a rollout at 0.8 biases every importance ratio by about 10%: the
   trainer must compute the logprobs of the distribution the engine sampled from.)
@@ -42,7 +43,7 @@ from molt.refit import PublishConfig
 
 logger = logging.getLogger(__name__)
 Precision = Literal["float32", "bfloat16"]
-Fact = Literal["model", "precision", "temperature", "groups_per_step", "max_staleness", "weights"]
+Fact = Literal["model", "precision", "temperature", "groups_per_step", "max_staleness", "weights", "tool_parser"]
 Relation = Literal["equal", "at_most", "warn"]
 MISMATCH_COST = ("the trainer's logprobs then differ from the engine's (a bf16 trainer against an fp32 engine, "
                  "the quickstart's first on-policy step: |logprob diff| mean 0.027, max 0.39, ratio max 1.38 "
@@ -62,6 +63,8 @@ class PolicySpec(BaseModel):
     groups_per_step: int | None = Field(None, ge=1, description="prompt groups per optimizer step")
     max_staleness: int | None = Field(None, ge=0, description="policy versions a trained token may lag behind")
     weights: PublishConfig | None = Field(None, description="how the trainer publishes its weights output")
+    tool_parser: str | None = Field(None, description="the format of the policy's tool calls: hermes (default) or a "
+                                    "molt.agents.tools.ToolParser's import path")
 
 
 def policy_field(fact: Fact, default: Any = None, relation: Relation | None = None, **kwargs: Any) -> Any:

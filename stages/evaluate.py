@@ -55,6 +55,7 @@ class Evaluate(Service):
         model: str = policy_field("model", "smollm2-135m-instruct", description="the policy's initial model "
                                   "(molt.policy: policy.model)")
         engine: EngineConfig = Field(default_factory=EngineConfig)
+        tool_parser: str = policy_field("tool_parser", "hermes", description="molt.policy: policy.tool_parser")
 
     config: Config
     inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
@@ -66,7 +67,7 @@ class Evaluate(Service):
         c, where = self.config, f"stages.{self.ctx.stage_id}.config"
         self.evaluator = Evaluator(self, c, where, "out")
         model_dir, replica = resolve_model(c.model), self.ctx.replica
-        self.chat = ChatTemplate.for_model(model_dir)
+        self.chat = ChatTemplate.for_model(model_dir, c.tool_parser, f"{where}.tool_parser")
         self.engine = make_engine(c.engine, str(model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link

@@ -50,7 +50,7 @@ class Rollout(Service):
         env: str | None = Field(None, description="import path of an Env class; None = SingleTurn")
         agent: str | None = Field(None, description="import path of a ChatAgent (OpenAI SDK) class")
         max_turns: int = Field(1, ge=1, description="policy turns per rollout (env/agent); more is cut")
-        tool_parser: str = Field("hermes", description="the format of tool calls (molt.agents.tools), or an import path")
+        tool_parser: str = policy_field("tool_parser", "hermes", description="molt.policy: policy.tool_parser")
         max_concurrent_groups: int = Field(8, ge=1)
         max_staleness: int | None = policy_field("max_staleness", None, "at_most", ge=0, description="None = unbounded")
         groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="groups a step; replicas: a share each")

@@ -10,6 +10,11 @@ demonstration; ``policy_version`` is -1 everywhere (no policy generated these to
 Every prompt is a group of one (``group_size`` 1), so the pack stage's
 ``groups_per_step`` is the number of records per optimizer step.
 
+With ``demonstrations`` (the import path of a class with ``demonstration(task) -> (messages, tools)``,
+e.g. molt.agents.python_agent.PythonAgent) a row is instead that multi-turn, tool-using conversation,
+laid out as a rollout lays out the policy's turns (molt.agents.chat.ChatTemplate.demonstration_ids):
+``loss_mask`` true on every assistant turn (its text, its tool calls, its EOS), false on the tool results.
+
 A record without the response field, or whose row would exceed ``max_tokens``
 (cut inside the prompt or an image), is refused naming its ``prompt_id``: nothing
 is trained on a silently shortened sequence.
@@ -44,6 +49,9 @@ class SFTRecords(Transform):
                                   "processor are used (molt.policy: policy.model)")
         response_field: str = Field("answer", description="task field holding the demonstration text")
         max_tokens: int = Field(2048, ge=2, description="longest row (prompt + response + EOS), tokens")
+        demonstrations: str | None = Field(None, description="import path of a class whose demonstration(task) gives "
+                                           "(messages, tools): multi-turn rows (module docstring)")
+        tool_parser: str = policy_field("tool_parser", "hermes", description="molt.policy: policy.tool_parser")
 
     inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "metadata"))}
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=("prompt_id", "metadata", *WRITES))}
@@ -52,7 +60,13 @@ class SFTRecords(Transform):
     def setup(self) -> None:
         from molt.models import resolve_model
 
-        self.chat = ChatTemplate.for_model(resolve_model(self.config.model))
+        from molt.config import import_class
+
+        c, where = self.config, f"stages.{self.ctx.stage_id}.config"
+        self.chat = ChatTemplate.for_model(resolve_model(c.model), c.tool_parser, f"{where}.tool_parser")
+        self.demonstrate = import_class(c.demonstrations, f"{where}.demonstrations") if c.demonstrations else None
+        if self.demonstrate is not None and not callable(getattr(self.demonstrate, "demonstration", None)):
+            raise ValueError(f"{where}.demonstrations: {c.demonstrations} has no demonstration(task) method")
         self.eos = self.chat.tok.eos_token_id
         if self.eos is None:
             raise ValueError(f"stages.{self.ctx.stage_id}.config.model: the tokenizer has no EOS token to end "
@@ -74,19 +88,23 @@ class SFTRecords(Transform):
             ValueError: naming ``prompt_id``: no response field, no messages, or too long.
         """
         c, where = self.config, f"stages.{self.ctx.stage_id}: prompt {prompt_id!r}"
-        if task.get(c.response_field) is None or not task.get("messages"):
+        if not task.get("messages") or task.get(c.response_field) is None and not c.demonstrations:
             raise ValueError(f"{where}: the record needs 'messages' and {c.response_field!r} "
                              f"(response_field); got keys {sorted(task)}")
-        prompt = self.chat.prompt_ids(task["messages"])
-        images = self.chat.images(task["messages"])
-        response = self.chat.encode(str(task[c.response_field])) + [self.eos]
-        ids = prompt + response
+        if self.demonstrate is not None:
+            messages, tools = self.demonstrate.demonstration(task)
+            ids, mask = self.chat.demonstration_ids(messages, tools)
+        else:
+            messages = task["messages"]
+            prompt = self.chat.prompt_ids(messages)
+            ids = prompt + self.chat.encode(str(task[c.response_field])) + [self.eos]
+            mask = [False] * len(prompt) + [True] * (len(ids) - len(prompt))
         if len(ids) > c.max_tokens:
-            raise ValueError(f"{where}: {len(ids)} tokens (prompt {len(prompt)}, response {len(response)}) exceed "
-                             f"max_tokens {c.max_tokens}; hint: raise max_tokens, the row is never cut")
-        image_token = self.chat.image_token_id
+            raise ValueError(f"{where}: {len(ids)} tokens ({sum(mask)} of them the response) exceed max_tokens "
+                             f"{c.max_tokens}; hint: raise max_tokens, the row is never cut")
+        images, image_token = self.chat.images(messages), self.chat.image_token_id
         return {"prompt_id": prompt_id, "metadata": json.dumps(task), "sample_id": f"{prompt_id}/sft",
                 "rollout_id": f"{prompt_id}/sft", "segment_index": 0, "token_ids": ids,
-                "loss_mask": [False] * len(prompt) + [True] * len(response), "policy_version": [-1] * len(ids),
+                "loss_mask": mask, "policy_version": [-1] * len(ids),
                 "group_size": 1, "finish_reason": "stop", "images": images or None,
                 "image_token_positions": [i for i, t in enumerate(ids) if t == image_token] if images else None}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from molt.agents import ChatServer, ChatTemplate, run_episode
+from molt.agents import ChatAgent, ChatServer, ChatTemplate, run_episode
 from molt.agents.tools import HermesParser, ToolCall, fallback_messages, run_tool, tool_parser
 from molt.engines.base import SamplingParams
 from tests.doubles.agents import Calculator, CalculatorEnv, ScriptedEngine, ToolAgent
@@ -53,7 +53,8 @@ def test_the_hermes_parser_reads_one_or_several_calls_and_the_text_around_them()
     ("<tool_call>{'name': 'calculator'}</tool_call>", "not JSON"),
     ('<tool_call>{"arguments": {}}</tool_call>', 'not {"name": string'),
     ('<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>', 'not {"name": string'),
-    (f'{CALL}<tool_call>{{"name": "f", "arguments": 3}}</tool_call>', 'not {"name": string')])
+    (f'{CALL}<tool_call>{{"name": "f", "arguments": 3}}</tool_call>', 'not {"name": string'),
+    ("<tool_call>[]</tool_call>", "an empty list of calls")])
 def test_a_malformed_call_is_the_text_it_is_with_the_reason(text, reason):
     turn = HermesParser().parse(text, "c")
     assert turn.calls == [] and turn.content == text and reason in turn.malformed
@@ -137,13 +138,13 @@ def test_an_env_call_cut_by_max_new_tokens_or_malformed_goes_to_the_env_as_text(
     assert ep.num_turns == 2 and ep.score == 0.0 and ep.info["tool_calls"] == 2, "a last turn's call is its answer"
 
 
-def serve(chat, agent, texts, max_new_tokens=128):
+def serve(chat, agent, texts, max_new_tokens=128, task=TASK):
     engine = ScriptedEngine(chat.tok, texts)
 
     async def main():
         server = ChatServer(engine, chat, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), 5, 1024)
         try:
-            return await server.run_episode(agent, TASK, "g#0/0")
+            return await server.run_episode(agent, task, "g#0/0")
         finally:
             await server.stop()
 
@@ -200,3 +201,107 @@ def test_molt_inspect_shows_a_tool_turn_as_policy_and_context_lines(chat, tmp_pa
            '            | </tool_call><|im_end|>\n    context | \n            | <|im_start|>user\n            | <tool_response>\n' \
            '            | 5535\n            | </tool_response><|im_end|>\n            | <|im_start|>assistant\n' \
            '            | \n    policy  | The answer is 5535.<|im_end|>' in text
+
+
+def test_a_demonstration_is_laid_out_token_for_token_as_the_agents_rollout_of_it(chat):
+    """The SFT row of PythonAgent's demonstration equals the record of PythonAgent run on an engine that
+    generates exactly the demonstrated turns (through the OpenAI endpoint and the real sandbox)."""
+    from molt.agents.python_agent import PythonAgent
+    from molt.tasks.configs import ArithmeticTask
+
+    task = ArithmeticTask(style="plain", min_operand=100, max_operand=999, second_operand=(10, 99),
+                          operations=("*",)).load().record(0)
+    messages, tools = PythonAgent.demonstration(task)
+    ids, mask = chat.demonstration_ids(messages, tools)
+    turns = [chat.tool_parser.render_calls(messages[-3]["tool_calls"]), messages[-1]["content"]]
+    ep, engine = serve(chat, PythonAgent(), turns, task=task)
+    [seg] = ep.segments
+    assert ep.score == 1.0 and ep.info["tool_calls"] == 1 and ep.completion_text == task["answer"]
+    assert seg.token_ids == ids and seg.loss_mask == mask
+    assert f"<tool_response>\n{task['answer']}\n\n</tool_response>" in chat.tok.decode(engine.prompts[1]), \
+        "the sandbox printed the product"
+    with pytest.raises(ValueError, match="no 'A op B' expression"):
+        PythonAgent.demonstration({"prompt_id": "x", "messages": [{"role": "user", "content": "hi"}]})
+    from stages.sft_records import SFTRecords  # its rows: the same ids and mask, nothing the policy says is context
+
+    stage = SFTRecords.__new__(SFTRecords)
+    stage.config = SFTRecords.Config(demonstrations="molt.agents.python_agent.PythonAgent", max_tokens=1024)
+    stage.ctx, stage.chat, stage.demonstrate = type("Ctx", (), {"stage_id": "sft"})(), chat, PythonAgent
+    row = stage.row("p0", task)
+    assert row["token_ids"] == ids and row["loss_mask"] == mask and row["policy_version"] == [-1] * len(ids)
+
+
+def test_an_agent_is_evaluated_on_its_last_reply_with_its_tool_calls(chat):
+    from molt.agents.python_agent import PythonAgent
+    from molt.evaluation import EvalTask, evaluate
+    from molt.graders import MathGrader
+
+    problems = [{"messages": [{"role": "user", "content": "What is 12 * 34?"}], "answer": "408"}]
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(12 * 34)"}}\n</tool_call>'
+    for texts, accuracy in (([call, "408"], 1.0), ([call, call, call, call], 0.0)):  # the last reply is graded
+        engine = ScriptedEngine(chat.tok, texts)
+        values = asyncio.run(evaluate(engine, chat, problems, MathGrader(), max_new_tokens=64, max_model_len=1024,
+                                      agent="molt.agents.python_agent.PythonAgent", max_turns=4, version=0))
+        assert values["accuracy"] == accuracy and engine.texts == []
+    assert PythonAgent.max_calls + 1 <= EvalTask.model_fields["max_turns"].default
+    with pytest.raises(ValueError, match="agent: cannot import module 'molt.agents.nope'"):
+        EvalTask.model_validate({"task": {"type": "arithmetic"}, "agent": "molt.agents.nope.Agent"})
+
+
+class Replying(ChatAgent):
+    """One request with ``messages`` (and the calculator), then returns the reply's finish_reason as its reward's
+    stand-in: it keeps what it got in ``self.replies``."""
+
+    def __init__(self, *requests):
+        self.requests, self.replies = requests, []
+
+    def run(self, client, task):
+        for messages in self.requests:
+            reply = client.chat.completions.create(model="p", messages=messages, tools=[Calculator.schema()])
+            self.replies.append(reply.choices[0])
+        return 1.0
+
+
+def test_a_sent_back_null_or_empty_content_and_tool_results_as_parts_extend_one_segment(chat):
+    call = ToolCall("call_1_0", "calculator", {"expression": "123*45"}).openai()
+    ask = [{"role": "user", "content": TASK["question"]}]
+    agent = Replying(ask, [*ask, {"role": "assistant", "content": "", "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1_0", "name": "calculator",
+                            "content": [{"type": "text", "text": "5535"}]}])
+    ep, engine = serve(chat, agent, [CALL, "5535"])
+    assert len(ep.segments) == 1 and [c.finish_reason for c in agent.replies] == ["tool_calls", "stop"]
+    assert "<tool_response>\n5535\n</tool_response>" in chat.tok.decode(engine.prompts[1])
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"content": "x"}, r"messages\[0\]: a message needs a role"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+     r"messages\[0\].tool_calls: each is"),
+    ({"role": "user", "content": 3}, r"messages\[0\].content: text or a list of parts")])
+def test_a_malformed_request_gets_http_400_naming_the_field(chat, message, says):
+    from molt.agents import AgentError
+
+    with pytest.raises(AgentError, match="BadRequestError.*" + says):
+        serve(chat, Replying([message]), [CALL])
+
+
+def test_a_tool_result_that_fills_the_context_ends_the_episode_as_length_not_as_a_failure(chat):
+    from molt.agents.python_agent import PythonAgent
+
+    huge = '<tool_call>\n{"name": "python", "arguments": {"code": "print(list(range(2000)))"}}\n</tool_call>'
+    task = {"messages": [{"role": "user", "content": "What is 12 * 34?"}], "answer": "408"}
+    ep, engine = serve(chat, PythonAgent(), [huge], task=task)
+    [seg] = ep.segments
+    assert ep.score == 0.0 and ep.finish_reason == "length" and ep.num_turns == 2 and len(engine.completions) == 1
+    assert len(seg.token_ids) < 1024 and seg.token_ids[-len(engine.completions[0].token_ids):] == \
+        engine.completions[0].token_ids, "the record ends with the call: the result did not fit"
+
+
+def test_the_tool_format_is_a_policy_fact_that_rollout_evaluation_and_sft_records_share():
+    from molt.pipeline import Pipeline
+
+    pipe = Pipeline.from_yaml("pipelines/agent_tools.yaml", ["policy.tool_parser=molt.agents.tools.HermesParser"])
+    assert {pipe.stages[s].config.tool_parser for s in ("rollout", "evaluate")} == {"molt.agents.tools.HermesParser"}
+    with pytest.raises(ValueError, match=r"stages.evaluate.config.tool_parser is mistral but policy.tool_parser is hermes"):
+        Pipeline.from_yaml("pipelines/agent_tools.yaml", ["policy.tool_parser=hermes",
+                                                          "stages.evaluate.config.tool_parser=mistral"])

@@ -177,7 +177,7 @@ def sft_rows(model_dir: Path, colours: dict[str, tuple[int, int, int]], max_toke
     stage = SFTRecords.__new__(SFTRecords)  # its row() only: no pipeline around it
     stage.config = SFTRecords.Config(model=str(model_dir), max_tokens=max_tokens)
     stage.ctx = type("Ctx", (), {"stage_id": "sft"})()
-    stage.chat = ChatTemplate.for_model(model_dir)
+    stage.chat, stage.demonstrate = ChatTemplate.for_model(model_dir), None
     stage.eos = stage.chat.tok.eos_token_id
     return [stage.row(f"p{i}", {"messages": ask(png(rgb)), "answer": name}) for i, (name, rgb) in
             enumerate(colours.items())]

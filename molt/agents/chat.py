@@ -60,8 +60,8 @@ class ChatTemplate:
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: Sequence[dict[str, Any]] = ()) -> str:
         """The template's text of ``messages`` (with ``tools``: OpenAI tool definitions, module docstring)."""
         native = self.renders_tools or not tools
-        messages = template_messages(messages) if native else fallback_messages(messages, tools, self.tool_parser)
         flat, _ = flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")
+        flat = template_messages(flat) if native else fallback_messages(flat, tools, self.tool_parser)
         return str(self.tok.apply_chat_template(flat, tools=list(tools) if tools and native else None, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt))
 
@@ -111,3 +111,25 @@ class ChatTemplate:
         if ended_with_eos and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text):]  # the engine generated the EOS itself
         return self.encode(closing + after[len(before):], self.images(new))
+
+    def demonstration_ids(self, messages: list[Message], tools: Sequence[dict[str, Any]] = ()) -> tuple[list[int], list[bool]]:
+        """[T] token ids and loss mask of a demonstrated conversation, laid out as a rollout lays out the
+        policy's turns (molt.agents.episode): the opening messages and generation prompt, then each
+        assistant turn as the policy would generate it (its text, its calls in the tool parser's format,
+        EOS; mask true), each followed by the template delta of the messages up to the next (mask false).
+
+        Raises:
+            ValueError: no assistant turn, or the template rewrites earlier turns (`turn_delta_ids`).
+        """
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            raise ValueError("a demonstration needs at least one assistant turn")
+        ids = self.prompt_ids(messages[:turns[0]], tools)
+        mask = [False] * len(ids)
+        for i, end in zip(turns, [*turns[1:], None]):
+            m = messages[i]
+            text = (m.get("content") or "") + (self.tool_parser.render_calls(m["tool_calls"]) if m.get("tool_calls") else "")
+            policy = self.encode(text) + [self.tok.eos_token_id]
+            context = self.turn_delta_ids(messages[:i + 1], messages[i + 1:end], True, tools) if end else []
+            ids, mask = ids + policy + context, mask + [True] * len(policy) + [False] * len(context)
+        return ids, mask

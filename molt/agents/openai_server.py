@@ -148,6 +148,8 @@ class ChatServer:
         except EngineDeadError as error:  # the rollout restarts the engine and runs the group again
             session.engine_dead = error
             return _error(503, f"the engine died: {error}")
+        except ValueError as error:  # the opening prompt does not fit
+            return _error(400, str(error))
         return web.json_response({
             "id": f"molt-{session.rollout_id}-{session.turns}", "object": "chat.completion", "created": 0,
             "model": body.get("model", "molt"), "usage": session.usage,
@@ -170,13 +172,7 @@ class ChatServer:
         if body.get("tool_choice") not in (None, "auto", "none"):
             return (f"tool_choice {body['tool_choice']!r} is not supported: forcing a call needs constrained decoding, "
                     "which samples from another distribution than the policy's; hint: leave it unset (auto)")
-        if not all(isinstance(t, dict) and isinstance(t.get("function", {}).get("name"), str)
-                   for t in body.get("tools") or []):
-            return 'tools must be [{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]'
-        if not all(isinstance(m.get("content"), str) or m.get("role") == "assistant" and m.get("tool_calls")
-                   for m in body.get("messages", [])):
-            return "messages must have string contents (an assistant message with tool_calls may have none)"
-        return "" if body.get("messages") else "messages is empty"
+        return _malformed(body)
 
     async def _turn(self, session: ChatSession, messages: list[Message], tools: list[dict[str, Any]], parse: bool,
                     max_tokens: int | None) -> tuple[Message, str]:
@@ -186,33 +182,39 @@ class ChatServer:
         if session.segments and tools == session.tools and messages[:len(known)] == known and len(messages) > len(known):
             with contextlib.suppress(ValueError):  # the template rewrote earlier turns: a new segment
                 delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop", tools)
-        if delta is None:
-            session.segments.append(Segment())
-        session.tools = tools
-        session.segments[-1].extend_context(self.chat.prompt_ids(messages, tools) if delta is None else delta)
-        seg = session.segments[-1]
+        seg = Segment() if delta is None else session.segments[-1]
+        context = self.chat.prompt_ids(messages, tools) if delta is None else delta
         # 2) generate from the exact ids, within the turn's and the context's budget
         budget = min(self.params.max_new_tokens, max_tokens or self.params.max_new_tokens,
-                     self.max_total_tokens - len(seg.token_ids))
-        if budget <= 0:
-            raise web.HTTPBadRequest(text=f"context window of {self.max_total_tokens} tokens is full")
+                     self.max_total_tokens - len(seg.token_ids) - len(context))
+        if budget <= 0 and not session.segments:
+            raise ValueError(f"the prompt ({len(context)} tokens) fills the context window of {self.max_total_tokens}")
         session.turns += 1
+        if budget <= 0:  # the context is full: no token more, as the engine would end it (the record ends here)
+            session.last_text, session.finish_reason = "", "length"
+            session.messages = [*messages, {"role": "assistant", "content": ""}]
+            return session.messages[-1], "length"
+        if delta is None:
+            session.segments.append(seg)
+        session.tools = tools
+        seg.extend_context(context)
         out = await self.engine.generate(f"{session.rollout_id}/t{session.turns}", seg.token_ids, dataclasses.replace(self.params, max_new_tokens=budget))
         session.usage = {"prompt_tokens": len(seg.token_ids), "completion_tokens": len(out.token_ids),
                          "total_tokens": len(seg.token_ids) + len(out.token_ids)}
         seg.extend_generated(out)
         # 3) answer with the decoded text or the calls in it; remember the conversation it ends
-        session.last_text, session.finish_reason = self.chat.decode(out.token_ids), out.finish_reason
-        parsed = self.chat.tool_parser.parse(session.last_text, f"call_{session.turns}") if tools and parse else None
+        text, session.finish_reason = self.chat.decode(out.token_ids), out.finish_reason
+        parsed = self.chat.tool_parser.parse(text, f"call_{session.turns}") if tools and parse else None
         count_tool_calls(session.info, parsed)
-        message: Message = {"role": "assistant", "content": session.last_text}
+        message: Message = {"role": "assistant", "content": text}
         finish: str = out.finish_reason
         if parsed is not None and parsed.calls:
-            message, finish = {**message, "content": parsed.content,
-                               "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls"
+            message = {**message, "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+            finish = "tool_calls" if finish == "stop" else finish
         elif parsed is not None and parsed.malformed and finish == "stop":
             finish = "malformed_tool_call"
-        session.messages = [*messages, message]
+        session.last_text = message["content"] or ""  # what graders read: the reply's text, not its calls
+        session.messages = [*messages, _message(message)]
         return message, finish
 
 
@@ -230,13 +232,33 @@ _OFF: dict[str, tuple[Any, ...]] = {
 def _message(m: dict[str, Any]) -> Message:
     """A request message as the server compares and renders it: role, content, and an assistant's ``tool_calls``
     or a tool result's ``tool_call_id`` (the SDK's other fields, e.g. ``refusal: null``, dropped)."""
-    out: Message = {"role": m["role"], "content": m.get("content")}
+    out: Message = {"role": m["role"], "content": m.get("content") or ""}  # null, as an SDK sends it back: ""
     if m.get("tool_calls"):
         out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
             "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in m["tool_calls"]]
     if m["role"] == "tool":
         out["tool_call_id"] = m.get("tool_call_id")
     return out
+
+
+def _malformed(body: dict[str, Any]) -> str:
+    """What is wrong with a request's ``messages`` and ``tools`` ("" when nothing), naming the field."""
+    if not body.get("messages"):
+        return "messages is empty"
+    for i, m in enumerate(body["messages"]):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            return f"{where}: a message needs a role: system, user, assistant or tool"
+        if not isinstance(m.get("content"), (str, list)) and not (m["role"] == "assistant" and m.get("tool_calls")):
+            return f"{where}.content: text or a list of parts (an assistant message with tool_calls may have none)"
+        if not all(isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)
+                   and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                   for c in m.get("tool_calls") or []):
+            return f'{where}.tool_calls: each is {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "<JSON>"}}}}'
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+               for t in body.get("tools") or []):
+        return 'tools: each is {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+    return ""
 
 
 def _is_off(key: str, value: Any) -> bool:

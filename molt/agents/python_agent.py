@@ -1,0 +1,73 @@
+"""PythonAgent: the shipped tool-using agent, plain OpenAI SDK code with the sandboxed ``python`` tool.
+
+Each rollout: a system message asking it to compute with the tool, the task's messages, then the
+OpenAI tool loop (ask with ``tools``, run every call in the sandbox, send the results back) until a
+reply calls no tool or ``max_calls`` turns have called one; the reward is the math grader's score of
+the last reply against the task's ``answer`` (molt.graders). ``demonstration(task)`` is the same
+conversation done right (one call that prints the result, then the number), for a supervised
+warm-up (stages.sft_records ``demonstrations``).
+
+    rollout: {config: {agent: molt.agents.python_agent.PythonAgent, max_turns: 4}}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any, ClassVar
+
+from molt.agents.base import Message
+from molt.agents.openai_server import ChatAgent
+from molt.agents.sandbox import PythonTool, Sandbox
+from molt.agents.tools import ToolCall
+from molt.graders import MathGrader
+
+SYSTEM = "You are a careful assistant. Compute with the python tool, then answer with just the number."
+
+
+class PythonAgent(ChatAgent):
+    """The module docstring's agent; one sandbox per process, shared by its rollouts (thread-safe)."""
+
+    max_calls: ClassVar[int] = 3
+    _sandbox: ClassVar[Sandbox | None] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def sandbox(cls) -> Sandbox:
+        """The process's sandbox, made on first use."""
+        with cls._lock:
+            PythonAgent._sandbox = PythonAgent._sandbox or Sandbox()
+            return PythonAgent._sandbox
+
+    def run(self, client: Any, task: dict[str, Any]) -> float:
+        python = PythonTool(self.sandbox())
+        messages: list[Any] = [{"role": "system", "content": SYSTEM}, *task["messages"]]
+        for _ in range(self.max_calls + 1):
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=[python.schema()])
+            message = reply.choices[0].message
+            messages.append(message)
+            if not message.tool_calls:  # no call left: this is the answer
+                break
+            for call in message.tool_calls:
+                result = python.call(json.loads(call.function.arguments)) if call.function.name == "python" \
+                    else f"error: no tool named {call.function.name!r}; the tools are ['python']"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return MathGrader().grade(message.content or "", str(task["answer"])).score
+
+    @classmethod
+    def demonstration(cls, task: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
+        """A right conversation for ``task`` (messages, assistant turns included) and its tools: one call
+        printing the task's expression (``What is A op B?`` in its last message), its output, the number.
+
+        Raises:
+            ValueError: the task's question holds no ``A op B`` expression.
+        """
+        found = re.findall(r"(\d+ [-+*] \d+)", str(task["messages"][-1]["content"]))
+        if not found:
+            raise ValueError(f"task {task.get('prompt_id')!r}: no 'A op B' expression in its question to demonstrate")
+        call = ToolCall("call_1_0", PythonTool.name, {"code": f"print({found[-1]})"})
+        return [{"role": "system", "content": SYSTEM}, *task["messages"],
+                {"role": "assistant", "content": None, "tool_calls": [call.openai()]},
+                {"role": "tool", "tool_call_id": call.id, "content": f"{task['answer']}\n"},
+                {"role": "assistant", "content": str(task["answer"])}], [PythonTool.schema()]
