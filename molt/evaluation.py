@@ -125,7 +125,8 @@ async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[d
     async def one(index: int, problem: dict[str, Any], sample: int) -> Grade:
         rid = f"{tag}-{index}.{sample}"
         try:
-            episode = await (server.run_episode(agent_cls(), problem, rid) if server and agent_cls else  # type: ignore[misc]
+            episode = await (server.run_episode(agent_cls(), problem, rid)  # type: ignore[misc]
+                             if server and agent_cls else
                              run_episode(engine, chat, SingleTurn(), problem, params, rid, 1, max_model_len))
         except AgentError:  # the agent's failure: graded wrong (module docstring)
             return Grade(0.0, None)

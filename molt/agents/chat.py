@@ -43,8 +43,8 @@ class ChatTemplate:
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self.tool_parser = tool_parser or HermesParser()
         try:  # whether the template renders tools (else: the tool parser's fallback, molt.agents.tools)
-            probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[_PROBE_TOOL], tokenize=False)
-            self.renders_tools = "molt_probe" in probe
+            probe = [{"role": "user", "content": "x"}]
+            self.renders_tools = "molt_probe" in tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False)
         except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             self.renders_tools = False
 
@@ -112,7 +112,8 @@ class ChatTemplate:
             closing = closing[len(self.eos_text):]  # the engine generated the EOS itself
         return self.encode(closing + after[len(before):], self.images(new))
 
-    def demonstration_ids(self, messages: list[Message], tools: Sequence[dict[str, Any]] = ()) -> tuple[list[int], list[bool]]:
+    def demonstration_ids(self, messages: list[Message],
+                          tools: Sequence[dict[str, Any]] = ()) -> tuple[list[int], list[bool]]:
         """[T] token ids and loss mask of a demonstrated conversation, laid out as a rollout lays out the
         policy's turns (molt.agents.episode): the opening messages and generation prompt, then each
         assistant turn as the policy would generate it (its text, its calls in the tool parser's format,
@@ -128,7 +129,8 @@ class ChatTemplate:
         mask = [False] * len(ids)
         for i, end in zip(turns, [*turns[1:], None]):
             m = messages[i]
-            text = (m.get("content") or "") + (self.tool_parser.render_calls(m["tool_calls"]) if m.get("tool_calls") else "")
+            calls = self.tool_parser.render_calls(m["tool_calls"]) if m.get("tool_calls") else ""
+            text = (m.get("content") or "") + calls
             policy = self.encode(text) + [self.tok.eos_token_id]
             context = self.turn_delta_ids(messages[:i + 1], messages[i + 1:end], True, tools) if end else []
             ids, mask = ids + policy + context, mask + [True] * len(policy) + [False] * len(context)

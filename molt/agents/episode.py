@@ -174,7 +174,8 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
             new = [result.observation if isinstance(result.observation, dict)
                    else {"role": "user", "content": str(result.observation)}]
         try:
-            seg.extend_context(chat.turn_delta_ids(messages, new, out.finish_reason == "stop", schemas), chat.images(new))
+            delta = chat.turn_delta_ids(messages, new, out.finish_reason == "stop", schemas)
+            seg.extend_context(delta, chat.images(new))
         except ValueError:  # the template rewrote earlier turns: continue in a new segment
             seg = Segment(image_token_id=chat.image_token_id)
             seg.extend_context(chat.prompt_ids([*messages, *new], schemas), chat.images([*messages, *new]))
@@ -187,14 +188,16 @@ async def _tool_turn(parsed: ParsedTurn, tools: dict[str, Tool]) -> list[Message
     """The assistant message of a turn that calls tools, then the calls' results (each run in a worker thread)."""
     results = [await asyncio.to_thread(run_tool, tools, c) for c in parsed.calls]
     return [{"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]},
-            *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(parsed.calls, results))]
+            *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": result}
+              for c, result in zip(parsed.calls, results))]
 
 
 def count_tool_calls(info: dict[str, Any], parsed: ParsedTurn | None) -> None:
     """Count a turn's tool calls and malformed calls in an episode's ``info`` (``tool_calls``, ``malformed_tool_calls``,
     ``tool_turns``: turns parsed for calls); nothing for a turn not parsed (None)."""
     if parsed is not None:
-        for key, n in (("tool_turns", 1), ("tool_calls", len(parsed.calls)), ("malformed_tool_calls", bool(parsed.malformed))):
+        counts = {"tool_turns": 1, "tool_calls": len(parsed.calls), "malformed_tool_calls": int(bool(parsed.malformed))}
+        for key, n in counts.items():
             info[key] = info.get(key, 0) + n
 
 

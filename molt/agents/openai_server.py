@@ -142,8 +142,8 @@ class ChatServer:
         if problem:
             return _error(400, problem)
         try:
-            message, finish = await self._turn(session, [_message(m) for m in body["messages"]], body.get("tools") or [],
-                                               body.get("tool_choice") != "none",
+            messages = [_message(m) for m in body["messages"]]
+            message, finish = await self._turn(session, messages, body.get("tools") or [], body.get("tool_choice") != "none",
                                                body.get("max_tokens") or body.get("max_completion_tokens"))
         except EngineDeadError as error:  # the rollout restarts the engine and runs the group again
             session.engine_dead = error
@@ -179,7 +179,8 @@ class ChatServer:
         # 1) extend the current segment by a template delta, or start a new segment (also when the tools change)
         known = session.messages
         delta: list[int] | None = None
-        if session.segments and tools == session.tools and messages[:len(known)] == known and len(messages) > len(known):
+        extends = tools == session.tools and messages[:len(known)] == known and len(messages) > len(known)
+        if session.segments and extends:
             with contextlib.suppress(ValueError):  # the template rewrote earlier turns: a new segment
                 delta = self.chat.turn_delta_ids(known, messages[len(known):], session.finish_reason == "stop", tools)
         seg = Segment() if delta is None else session.segments[-1]
@@ -254,9 +255,10 @@ def _malformed(body: dict[str, Any]) -> str:
         if not all(isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)
                    and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
                    for c in m.get("tool_calls") or []):
-            return f'{where}.tool_calls: each is {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "<JSON>"}}}}'
-    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-               for t in body.get("tools") or []):
+            return (f'{where}.tool_calls: each is {{"id": ..., "type": "function", '
+                    '"function": {"name": ..., "arguments": "<JSON>"}}')
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+               and isinstance(t["function"].get("name"), str) for t in body.get("tools") or []):
         return 'tools: each is {"type": "function", "function": {"name": ..., "parameters": {...}}}'
     return ""
 

@@ -60,7 +60,7 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     cpu_seconds: int = Field(default=5, ge=1, description="CPU time; then SIGKILL")
-    wall_seconds: float = Field(default=10.0, gt=0, description="wall-clock time; then the sandbox's processes are killed")
+    wall_seconds: float = Field(default=10.0, gt=0, description="wall-clock time; then its processes are killed")
     memory_mib: int = Field(default=512, ge=64, description="address space per process")
     output_bytes: int = Field(default=65536, ge=1024, description="stdout + stderr, and any file written")
     max_processes: int = Field(default=16, ge=1, description="processes and threads at once")
@@ -127,7 +127,8 @@ class Sandbox:
                  for a in ("--symlink", os.readlink(f"/{d}"), f"/{d}")]
         return [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                 *([] if root else ["--unshare-user"]), "--die-with-parent", "--new-session", "--clearenv",
-                "--setenv", "PATH", "/python/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+                "--setenv", "PATH", "/python/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+                "--setenv", "LANG", "C.UTF-8",
                 "--ro-bind", "/usr", "/usr", *binds, "--ro-bind", sys.base_prefix, "/python", "--proc", "/proc",
                 "--dev", "/dev", *tmpfs, "/dev/shm", *tmpfs, "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
                 "/python/bin/python3", "-I", "-c", boot]
