@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from molt.agents.base import AgentError, Env, Message
+from molt.agents.base import AgentError, Env, Message, Result
 from molt.agents.chat import ChatTemplate
 from molt.agents.tools import ParsedTurn, Tool, run_tool
 from molt.engines.base import Completion, Engine, SamplingParams
@@ -168,11 +168,7 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
                 if not ended:
                     info["cut_by_max_turns"] = True
                 break
-            if result.observation is None:
-                raise AgentError(f"request {request_id}: env.step returned no observation without ending the "
-                                 "episode; hint: set terminated=True or give the next message")
-            new = [result.observation if isinstance(result.observation, dict)
-                   else {"role": "user", "content": str(result.observation)}]
+            new = _observation(result, request_id)
         try:
             delta = chat.turn_delta_ids(messages, new, out.finish_reason == "stop", schemas)
             seg.extend_context(delta, chat.images(new))
@@ -190,6 +186,15 @@ async def _tool_turn(parsed: ParsedTurn, tools: dict[str, Tool]) -> list[Message
     return [{"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]},
             *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": result}
               for c, result in zip(parsed.calls, results))]
+
+
+def _observation(result: Result, request_id: str) -> list[Message]:
+    """The env's reply as the next messages (a string: a user message); raises AgentError for none."""
+    if result.observation is None:
+        raise AgentError(f"request {request_id}: env.step returned no observation without ending the "
+                         "episode; hint: set terminated=True or give the next message")
+    return [result.observation if isinstance(result.observation, dict)
+            else {"role": "user", "content": str(result.observation)}]
 
 
 def count_tool_calls(info: dict[str, Any], parsed: ParsedTurn | None) -> None:

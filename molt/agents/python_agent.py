@@ -12,9 +12,9 @@ warm-up (stages.sft_records ``demonstrations``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import threading
 from typing import Any, ClassVar
 
 from molt.agents.base import Message
@@ -26,22 +26,19 @@ from molt.graders import MathGrader
 SYSTEM = "You are a careful assistant. Compute with the python tool, then answer with just the number."
 
 
+@functools.cache
+def shared_sandbox() -> Sandbox:
+    """The process's sandbox, made on first use and shared by its rollouts (a Sandbox is thread-safe)."""
+    return Sandbox()
+
+
 class PythonAgent(ChatAgent):
-    """The module docstring's agent; one sandbox per process, shared by its rollouts (thread-safe)."""
+    """The module docstring's agent."""
 
     max_calls: ClassVar[int] = 3
-    _sandbox: ClassVar[Sandbox | None] = None
-    _lock = threading.Lock()
-
-    @classmethod
-    def sandbox(cls) -> Sandbox:
-        """The process's sandbox, made on first use."""
-        with cls._lock:
-            PythonAgent._sandbox = PythonAgent._sandbox or Sandbox()
-            return PythonAgent._sandbox
 
     def run(self, client: Any, task: dict[str, Any]) -> float:
-        python = PythonTool(self.sandbox())
+        python = PythonTool(shared_sandbox())
         messages: list[Any] = [{"role": "system", "content": SYSTEM}, *task["messages"]]
         for _ in range(self.max_calls + 1):
             reply = client.chat.completions.create(model="policy", messages=messages, tools=[python.schema()])
