@@ -38,7 +38,8 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from molt.agents import AgentError, ChatServer, ChatTemplate, SingleTurn, episode_classes, run_episode
+from molt.agents import AgentError, ChatServer, ChatTemplate, SingleTurn, run_episode
+from molt.config import import_class
 from molt.engines.base import Engine, SamplingParams
 from molt.graders import Grade, GraderConfig, MathGrader
 from molt.metrics import logged_steps
@@ -57,8 +58,6 @@ EVAL_SCHEMA = make_schema([
 
 
 def _importable_agent(agent: str | None) -> str | None:
-    from molt.config import import_class
-
     if agent is not None:
         import_class(agent, "agent")  # a typo fails at load
     return agent
@@ -119,7 +118,7 @@ async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[d
         RuntimeError: a completion holds tokens of a policy version other than ``version`` (the weights
             changed during the evaluation).
     """
-    agent_cls = episode_classes(None, agent, "evaluation.agent")[1]
+    agent_cls = import_class(agent, "agent") if agent else None
     server = ChatServer(engine, chat, params, max_turns, max_model_len) if agent_cls else None
 
     async def one(index: int, problem: dict[str, Any], sample: int) -> Grade:

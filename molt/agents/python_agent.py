@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from molt.agents.base import Message
 from molt.agents.openai_server import ChatAgent
 from molt.agents.sandbox import PythonTool, Sandbox
-from molt.agents.tools import ToolCall
+from molt.agents.tools import ToolCall, run_tool
 from molt.graders import MathGrader
 
 SYSTEM = "You are a careful assistant. Compute with the python tool, then answer with just the number."
@@ -46,9 +46,9 @@ class PythonAgent(ChatAgent):
             messages.append(message)
             if not message.tool_calls:  # no call left: this is the answer
                 break
-            for call in message.tool_calls:
-                result = python.call(json.loads(call.function.arguments)) if call.function.name == "python" \
-                    else f"error: no tool named {call.function.name!r}; the tools are ['python']"
+            for call in message.tool_calls:  # an unknown tool or a failed call: an "error: ..." result
+                result = run_tool({"python": python}, ToolCall(call.id, call.function.name,
+                                                               json.loads(call.function.arguments)))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return MathGrader().grade(message.content or "", str(task["answer"])).score
 

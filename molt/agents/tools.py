@@ -33,7 +33,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from molt.agents.base import Message
+Message = dict[str, Any]  # as molt.agents.base.Message (which imports this module's Tool for Env.tools)
 
 
 class Tool(abc.ABC):
