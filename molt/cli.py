@@ -1,9 +1,10 @@
-"""The ``molt`` command: run, graph, replay, inspect, models.
+"""The ``molt`` command: run, sweep, compare, eval, export, graph, replay, inspect, plot, models.
 
 ``molt run PIPELINE.yaml [--set key=value ...] [--seed N] [--run-dir DIR | --resume RUN_DIR]``
 ``molt sweep PIPELINE.yaml --seeds N [--set ...] [--out DIR] [--threshold KEY=VALUE [--lower-bound]]``
 ``molt compare A B --metric NAME [--margin M]``
 ``molt eval RUN_DIR | MODEL [--version V] [--task T ...] [--samples K [--temperature T]] [--num-problems N]``
+``molt export RUN_DIR OUT [--version V]``
 ``molt graph PIPELINE.yaml [--resolved]``
 ``molt replay RECORDING PIPELINE.yaml [--into STAGE[.PORT]] [--set ...]``
 ``molt replay RUN_DIR --from-step K [--set ...]``
@@ -18,8 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
-import difflib
 import json
 import os
 import sys
@@ -31,7 +30,6 @@ import yaml
 from molt.config import apply_override, differing_keys, load_yaml
 from molt.pipeline import Pipeline
 from molt.placement import catch_stop_signals
-from molt.recording import edge_dirname as edge_dir
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -132,60 +130,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's trained policy at a version as a Hugging Face folder (molt.export)."""
+    from molt.export import export_run
+
+    out, version = export_run(Path(args.run_dir), args.version, Path(args.out))
+    print(f"{out} (policy version {version} of {args.run_dir})")
+    return 0
+
+
 def cmd_graph(args: argparse.Namespace) -> int:
     pipe = Pipeline.from_yaml(args.pipeline, args.set)
     print(yaml.safe_dump(pipe.to_dict(), sort_keys=False) if args.resolved else pipe.describe())
     return 0
 
 
-def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) -> dict[str, Any]:
-    """A copy of a pipeline dict where everything upstream of ``into`` is replaced by
-    a replay source re-emitting ``recording`` into that stage (or ``stage.port``);
-    the replayed edge is recorded again, so the two recordings can be compared.
-
-    Raises:
-        ValueError: ``into`` names no stage of the pipeline.
-    """
-    data = copy.deepcopy(data)
-    target, stages = into.split(".")[0], sorted(data.get("stages", {}))
-    if target not in stages:
-        close = difflib.get_close_matches(target, stages, n=1)
-        raise ValueError(f"{source}: --into {into!r}: no such stage" +
-                         (f"; did you mean {close[0]!r}?" if close else f"; stages: {stages}"))
-    edges = data.get("edges", [])
-    upstream: set[str] = set()
-    frontier = {target}
-    while frontier:
-        frontier = {e["from"].split(".")[0] for e in edges
-                    if e["to"].split(".")[0] in frontier and not e.get("feedback")} - upstream - {target}
-        upstream |= frontier
-    data["stages"] = {k: v for k, v in data["stages"].items() if k not in upstream}
-    data["stages"]["replay"] = {"class": "stages.replay.ReplaySource", "config": {"path": recording}}
-    kept = [e for e in edges if e["from"].split(".")[0] not in upstream and e["to"].split(".")[0] not in upstream]
-    data["edges"] = [{"from": "replay", "to": into, "record": True}, *kept]
-    data["name"] = f"{data.get('name', 'pipeline')}-replay"
-    data.pop("run_dir", None)
-    data.pop("requires", None)  # a replay trains on what a run recorded, from the models that run had
-    return data
-
-
-def recorded_consumer(recording: str) -> str:
-    """``stage.port`` that consumed a recorded edge, from its folder name
-    (``RUN_DIR/record/shape.out--sink.in/...`` -> ``sink.in``).
-
-    Raises:
-        ValueError: the path holds no ``record/EDGE`` folder.
-    """
-    parts = Path(recording).resolve().parts
-    for name in reversed(parts):
-        if "--" in name and not name.endswith(".arrow"):
-            return name.split("--", 1)[1]
-    raise ValueError(f"--into is needed: {recording!r} is not inside RUN_DIR/record/PRODUCER.PORT--CONSUMER.PORT/")
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
+    from molt.replay_command import recorded_consumer, replay_from_step, replay_spec
+
     if args.from_step is not None:
-        return replay_from_step(Path(args.recording), args.from_step, args.set, args.run_dir)
+        pipe, folder = replay_from_step(Path(args.recording), args.from_step, args.set)
+        return _run(pipe, args.run_dir, resume=folder)
     if args.pipeline is None:
         raise ValueError("molt replay RECORDING PIPELINE.yaml: the pipeline is missing; hint: or replay a run "
                          "directory with --from-step K")
@@ -200,71 +165,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ValueError(f"{e}\nhint: --into names the stage that consumed the recorded edge "
                          "(for record/A.out--B.in it is B)") from None
     return _run(pipe, args.run_dir)
-
-
-def replay_from_step(run_dir: Path, step: int, overrides: list[str], out_dir: str | None) -> int:
-    """Re-run a run's training side from the checkpoint at optimizer step ``step``.
-
-    Takes ``RUN_DIR/pipeline.yaml``, the oldest complete checkpoint whose trainer was
-    at ``step``, and the run's earliest recorded trajectory edge upstream of the
-    trainer; that edge's consumer and every stage after it restore from the checkpoint
-    and are fed the batches recorded after it (the checkpoint's per-edge counts), so
-    step ``step`` sees the same rows in the same order and repeats its recorded loss.
-    Stages fed only by broadcast edges (an evaluation) are left out.
-
-    Raises:
-        ValueError: no such checkpoint, or no recorded trajectory edge before the trainer.
-    """
-    from molt.checkpoint import checkpoint_at_version, read_replica_state, replica_names
-
-    source = str(run_dir / "pipeline.yaml")
-    data = yaml.safe_load(Path(source).read_text())
-    for item in overrides:
-        apply_override(data, item, source)
-    pipe = Pipeline.from_spec(data, source=source)
-    names = replica_names(pipe.checkpointed())
-    folder, trainer = checkpoint_at_version(run_dir, names, step)
-    edge = _recorded_trajectory_edge(pipe, trainer, run_dir)
-    skip = {f"{name}.arrow": read_replica_state(folder, name)["recorded"].get(edge.name, 0)
-            for name in sorted(names) if name.rsplit(".", 1)[0] == edge.src}
-    spec = _without_broadcast_only(replay_spec(data, str(run_dir / "record" / edge_dir(edge.name)),
-                                               f"{edge.dst}.{edge.dst_port}", source))
-    spec["stages"]["replay"]["config"]["skip"] = skip
-    replay = Pipeline.from_spec(spec, source=f"{source} (replay from step {step})")
-    print(f"replaying {edge.name} after {folder.name} (step {step})", file=sys.stderr)
-    return _run(replay, out_dir, resume=folder)
-
-
-def _recorded_trajectory_edge(pipe: Pipeline, trainer: str, run_dir: Path) -> Any:
-    """The recorded edge carrying ``token_ids`` nearest the source, upstream of ``trainer``."""
-    upstream, frontier = {trainer}, {trainer}
-    while frontier:
-        frontier = {e.src for e in pipe.edges if e.dst in frontier and not e.cfg.feedback} - upstream
-        upstream |= frontier
-    order = pipe.topo_order()
-    edges = [e for e in pipe.edges if e.cfg.record and e.dst in upstream and e.schema is not None
-             and "token_ids" in e.schema.names and (run_dir / "record" / edge_dir(e.name)).is_dir()]
-    if not edges:
-        raise ValueError(f"{run_dir}: no recorded trajectory edge before stage {trainer!r}; hint: set record: "
-                         "true on the rollout's output edge")
-    return min(edges, key=lambda e: order.index(e.dst))
-
-
-def _without_broadcast_only(spec: dict[str, Any]) -> dict[str, Any]:
-    """Drop stages fed only by broadcast edges (an evaluation) and the stages only they feed (the
-    trainer's weights outputs, then unsubscribed, publish nothing)."""
-    fed = {e["to"].split(".")[0] for e in spec["edges"]}
-    while True:
-        kinds: dict[str, list[str]] = {}
-        for e in spec["edges"]:
-            kinds.setdefault(e["to"].split(".")[0], []).append(e.get("kind", "stream"))
-        gone = {s for s in fed & set(spec["stages"]) if all(k == "broadcast" for k in kinds.get(s, ["broadcast"]))}
-        if not gone:
-            break
-        spec["stages"] = {k: v for k, v in spec["stages"].items() if k not in gone}
-        spec["edges"] = [e for e in spec["edges"]
-                         if e["from"].split(".")[0] not in gone and e["to"].split(".")[0] not in gone]
-    return spec
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -318,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest complete "
                      "checkpoint (same pipeline and --set values)")
     run.add_argument("--seed", type=int, help="the run's seed (as --set seed=N; molt.seeds)")
-    _eval_command(sub)
+    _eval_commands(sub)
     sweep = _statistics_commands(sub)
     graph = sub.add_parser("graph", help="print the validated DAG")
     graph.add_argument("pipeline", help="a pipeline YAML file")
@@ -368,7 +268,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _eval_command(sub: Any) -> None:
+def _eval_commands(sub: Any) -> None:
+    """``molt eval`` and ``molt export``: a model or a run's checkpoint, evaluated or taken away."""
     ev = sub.add_parser("eval", help="evaluate a model or a run's checkpoint: accuracy, pass@k, avg@k, maj@k")
     ev.add_argument("target", help="a run directory (its checkpoints), a model folder or a built-in model name")
     ev.add_argument("--version", type=int, help="a run's policy version (a complete checkpoint; default: the newest)")
@@ -380,6 +281,10 @@ def _eval_command(sub: Any) -> None:
     ev.add_argument("--engine", choices=["vllm", "transformers"], help="default: the evaluation stage's, else vllm")
     ev.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     ev.add_argument("--json", help="also write the report to this JSON file")
+    export = sub.add_parser("export", help="write a run's trained policy as a Hugging Face folder")
+    export.add_argument("run_dir", help="a run directory")
+    export.add_argument("out", help="the new folder to write")
+    export.add_argument("--version", type=int, help="a policy version (a complete checkpoint; default: the newest)")
 
 
 def _statistics_commands(sub: Any) -> argparse.ArgumentParser:
@@ -407,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # custom stages and envs by import path from here, as the runner's processes
         sys.path.insert(0, os.getcwd())
-    handlers = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "eval": cmd_eval, "graph": cmd_graph,
-                "replay": cmd_replay, "inspect": cmd_inspect, "plot": cmd_plot, "models": cmd_models}
+    handlers = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "eval": cmd_eval, "export": cmd_export,
+                "graph": cmd_graph, "replay": cmd_replay, "inspect": cmd_inspect, "plot": cmd_plot, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except ValueError as e:

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from molt.cli import main, replay_spec
+from molt.cli import main
+from molt.replay_command import replay_spec
 from molt.recording import RecordWriter, read_batches, summarize
 from molt.schema import COLUMNS, batch_from_rows, make_schema
 

@@ -1,0 +1,44 @@
+"""``molt export RUN_DIR [--version V] OUT``: a run's trained policy as a Hugging Face folder.
+
+The trainer's part of a complete checkpoint is already a model folder (molt.train.state: config,
+tokenizer, chat template and ``model.safetensors`` under the names engines load); the export copies it
+without the optimizer and RNG state, so ``transformers``' ``from_pretrained`` and ``vllm.LLM`` load OUT
+as they load the model the run started from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+TRAINING_STATE = ("optimizer.pt", "rng.rank*.pt")  # in a checkpoint's trainer folder; not part of a model
+
+
+def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int]:
+    """Write the trainer's weights of ``run_dir``'s complete checkpoint at ``version`` (default: the
+    newest) as the Hugging Face folder ``out``, with ``molt_export.json`` saying where they came from.
+    Written into a temporary sibling, then renamed.
+
+    Returns:
+        (``out``, the policy version exported).
+
+    Raises:
+        ValueError: ``run_dir`` is no run directory, it has no complete checkpoint at ``version``
+            (listing those there are), or ``out`` exists.
+    """
+    from molt.eval_command import resolve_target
+
+    if not (run_dir / "pipeline.yaml").is_file():
+        raise ValueError(f"molt export: {str(run_dir)!r} is not a run directory (no pipeline.yaml)")
+    if out.exists():
+        raise ValueError(f"molt export: {str(out)!r} exists; hint: name a new folder")
+    folder, exported, _ = resolve_target(str(run_dir), version)
+    assert exported is not None
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE))
+    (tmp / "molt_export.json").write_text(json.dumps({"run_dir": str(run_dir.resolve()), "policy_version": exported,
+                                                      "checkpoint": str(folder)}, indent=1))
+    tmp.rename(out)
+    return out, exported

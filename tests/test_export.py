@@ -1,0 +1,48 @@
+"""`molt export`: a run's policy at a version as a Hugging Face folder that transformers loads."""
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from molt.cli import main
+from molt.recording import read_batches
+
+
+def logprob_gaps(model_dir, rows, version):
+    """|log p_model(token) - the engine's logprob| of every generated token of ``version`` in ``rows``."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gaps = []
+    for r in rows:
+        ids = torch.tensor([r["token_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        gaps += [abs(float(logp[i - 1]) - r["rollout_logprobs"][i]) for i in range(1, len(r["token_ids"]))
+                 if r["loss_mask"][i] and r["policy_version"][i] == version]
+    return gaps
+
+
+def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(full_rl_run, tmp_path, capsys):
+    assert main(["export", str(full_rl_run), str(tmp_path / "v2"), "--version", "2"]) == 0
+    assert "policy version 2" in capsys.readouterr().out
+    files = {f.name for f in (tmp_path / "v2").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "molt_export.json"} <= files
+    assert not {"optimizer.pt", "rng.rank0.pt"} & files, "the training state stays in the checkpoint"
+    assert json.loads((tmp_path / "v2" / "molt_export.json").read_text())["policy_version"] == 2
+    rows = [r for b in read_batches(full_rl_run / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
+    gaps = logprob_gaps(tmp_path / "v2", rows, 2)
+    assert len(gaps) >= 8 and max(gaps) < 1e-4, "the engine sampled version 2's tokens from these weights"
+    assert main(["export", str(full_rl_run), str(tmp_path / "newest")]) == 0
+    assert json.loads((tmp_path / "newest" / "molt_export.json").read_text())["policy_version"] == 4
+    assert max(logprob_gaps(tmp_path / "newest", rows, 2)) > 1e-3, "another version's weights do not match"
+
+
+def test_export_refuses_what_it_cannot_write_naming_it(full_rl_run, tmp_path, capsys):
+    assert main(["export", str(full_rl_run), str(tmp_path / "x"), "--version", "99"]) == 2
+    assert "no complete checkpoint at step 99" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "x").mkdir()
+    assert main(["export", str(full_rl_run), str(tmp_path / "x")]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".x.partial-*")), "nothing half-written is left"
