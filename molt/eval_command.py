@@ -106,17 +106,17 @@ def resolve_target(target: str, version: int | None) -> tuple[Path, int | None, 
     return folder / trainer, version, pipe
 
 
-async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, EvalTask],
-                         temperature: float = 1.0, seed: int = 0) -> dict[str, dict[str, Any]]:
+async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, EvalTask], temperature: float = 1.0,
+                         seed: int = 0, tool_parser: str = "hermes") -> dict[str, dict[str, Any]]:
     """Start one engine on ``model_dir`` and evaluate it on each task (the module docstring; samples at
-    the task's temperature, else ``temperature``); per task name: the metrics with ``num_problems``,
-    ``seconds`` (wall time of that task), ``samples`` and ``temperature``."""
+    the task's temperature, else ``temperature``; an agent's tool calls read with ``tool_parser``); per task
+    name: the metrics with ``num_problems``, ``seconds`` (wall time of that task), ``samples`` and ``temperature``."""
     from molt.engines.config import make_engine
 
     problems = {name: load_problems(t.task, f"--task {name}") for name, t in tasks.items()}
+    chat, report = ChatTemplate.for_model(model_dir, tool_parser, "policy.tool_parser"), {}
     engine = make_engine(engine_config, str(model_dir), "molt eval --engine", 0, seed)
     try:
-        chat, report = ChatTemplate.for_model(model_dir), {}
         for name, t in tasks.items():
             heat = (temperature if t.temperature is None else t.temperature) if t.samples > 1 else None
             start = time.monotonic()
@@ -150,9 +150,9 @@ def eval_report(target: str, version: int | None = None, task_options: Sequence[
     """What ``molt eval`` reports: ``target`` (resolve_target) on each task (parse_task; default: a run's
     evaluation), on the engine of the evaluation stage the tasks came from (a ``--task`` pipeline's or the
     run's: its sizes and precision; else the defaults, in the run's precision), ``engine_type`` replacing
-    its type. ``samples``,
-    ``temperature`` and ``num_problems`` replace each task's own when given; a task's samples without a
-    temperature take the pipelines' policy temperature, else 1.0.
+    its type. ``samples``, ``temperature`` and ``num_problems`` replace each task's own when given; a task's
+    samples without a temperature take the pipelines' policy temperature, else 1.0, and an agent's tool calls
+    are read in their policy's ``tool_parser`` format, else hermes.
 
     Raises:
         ValueError: no task, two tasks named alike, ``samples`` or ``num_problems`` below 1, or what
@@ -181,13 +181,15 @@ def eval_report(target: str, version: int | None = None, task_options: Sequence[
     tasks = {name: t.model_copy(update={k: v for k, v in given.items() if v is not None} | ({"task": t.task.model_copy(
         update={"num_problems": min(num_problems, t.task.num_problems or num_problems)})} if num_problems else {}))
         for name, t in tasks.items()}
-    # the evaluation the tasks came from: its engine (sizes, precision) and policy temperature; else the defaults
+    # the evaluation the tasks came from: its engine (sizes, precision), policy temperature and tool-call format
     sources = [pipe for _, pipe in parsed if pipe is not None] or ([run] if run is not None and not parsed else [])
     stated: dict[str, Any] = next((engine.model_dump(exclude={"transport", "record_routing"})
                                    for p in sources for _, _, engine in evaluation_stages(p)), {})
     stated = stated or ({"dtype": run.spec.policy.precision} if run is not None else {})
     engine = EngineConfig.model_validate({**stated, **({"type": engine_type} if engine_type else {})})
-    policy = next((t for t in (p.spec.policy.temperature for p in [*sources, run] if p) if t is not None), 1.0)
-    report = asyncio.run(evaluate_model(model_dir, engine, tasks, temperature=policy, seed=seed))
+    policies = [p.spec.policy for p in [*sources, run] if p is not None]
+    heat = next((p.temperature for p in policies if p.temperature is not None), 1.0)
+    parser = next((p.tool_parser for p in policies if p.tool_parser is not None), "hermes")
+    report = asyncio.run(evaluate_model(model_dir, engine, tasks, temperature=heat, seed=seed, tool_parser=parser))
     return {"target": target, "model": str(model_dir), "policy_version": version, "engine": engine.type,
             "dtype": engine.dtype, "tasks": report}

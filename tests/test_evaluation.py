@@ -96,6 +96,15 @@ def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights
     assert "--temperature: takes more than 0; got 0.0" in capsys.readouterr().err
 
 
+def test_molt_eval_reads_an_agents_tool_calls_in_the_pipelines_format(tiny_chat_model, tmp_path, capsys):
+    from pathlib import Path
+
+    agent = tmp_path / "agent.yaml"  # the shipped agent's evaluation, in another tool-call format
+    agent.write_text(f"base: {Path('pipelines/agent_tools.yaml').resolve()}\npolicy: {{tool_parser: mistral}}\n")
+    assert main(["eval", str(tiny_chat_model), "--task", str(agent), "--engine", "transformers"]) == 2
+    assert "policy.tool_parser: no tool parser 'mistral'" in capsys.readouterr().err
+
+
 def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats_none(tiny_chat_model, tmp_path,
                                                                                        no_orphans):
     spec = with_evaluation(resumable_rl(tiny_chat_model), tiny_chat_model)
