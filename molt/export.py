@@ -14,11 +14,13 @@ import shutil
 from pathlib import Path
 
 TRAINING_STATE = ("optimizer.pt", "rng.rank*.pt")  # in a checkpoint's trainer folder; not part of a model
+PROVENANCE = "molt-model.json"  # the starting model's (molt.models), kept as molt_export.json's started_from
 
 
 def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int]:
     """Write the trainer's weights of ``run_dir``'s complete checkpoint at ``version`` (default: the
-    newest) as the Hugging Face folder ``out``, with ``molt_export.json`` saying where they came from.
+    newest) as the Hugging Face folder ``out``, with ``molt_export.json`` saying where they came from (the run,
+    version, checkpoint, and the provenance of the model the run started from).
     Written into a temporary sibling, then renamed.
 
     Returns:
@@ -37,8 +39,10 @@ def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int
     folder, exported, _ = resolve_target(str(run_dir), version)
     assert exported is not None
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE))
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE, PROVENANCE),
+                    copy_function=shutil.copyfile)  # files readable as the umask allows, not the checkpoint's 0600
+    started = json.loads((folder / PROVENANCE).read_text()) if (folder / PROVENANCE).is_file() else None
     (tmp / "molt_export.json").write_text(json.dumps({"run_dir": str(run_dir.resolve()), "policy_version": exported,
-                                                      "checkpoint": str(folder)}, indent=1))
+                                                      "checkpoint": str(folder), "started_from": started}, indent=1))
     tmp.rename(out)
     return out, exported

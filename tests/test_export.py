@@ -1,6 +1,7 @@
 """`molt export`: a run's policy at a version as a Hugging Face folder that transformers loads."""
 
 import json
+import os
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,7 +28,10 @@ def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(ful
     assert "policy version 2" in capsys.readouterr().out
     files = {f.name for f in (tmp_path / "v2").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "molt_export.json"} <= files
-    assert not {"optimizer.pt", "rng.rank0.pt"} & files, "the training state stays in the checkpoint"
+    assert not {"optimizer.pt", "rng.rank0.pt", "molt-model.json"} & files, "the training state stays behind"
+    umask = os.umask(0o22)
+    os.umask(umask)
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "v2").iterdir()} == {0o666 & ~umask}, "as the umask allows"
     assert json.loads((tmp_path / "v2" / "molt_export.json").read_text())["policy_version"] == 2
     rows = [r for b in read_batches(full_rl_run / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
     gaps = logprob_gaps(tmp_path / "v2", rows, 2)
