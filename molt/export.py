@@ -18,10 +18,9 @@ PROVENANCE = "molt-model.json"  # the starting model's (molt.models), kept as mo
 
 
 def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int]:
-    """Write the trainer's weights of ``run_dir``'s complete checkpoint at ``version`` (default: the
-    newest) as the Hugging Face folder ``out``, with ``molt_export.json`` saying where they came from (the run,
-    version, checkpoint, and the provenance of the model the run started from).
-    Written into a temporary sibling, then renamed.
+    """Write the trainer's weights of ``run_dir``'s complete checkpoint at ``version`` (default: the newest)
+    as the Hugging Face folder ``out`` (into a temporary sibling, then renamed), with ``molt_export.json``
+    naming the run, version, checkpoint and the provenance of the model the run started from.
 
     Returns:
         (``out``, the policy version exported).
@@ -37,12 +36,16 @@ def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int
     if out.exists():
         raise ValueError(f"molt export: {str(out)!r} exists; hint: name a new folder")
     folder, exported, _ = resolve_target(str(run_dir), version)
-    assert exported is not None
+    assert exported is not None  # a run directory's
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE, PROVENANCE),
-                    copy_function=shutil.copyfile)  # files readable as the umask allows, not the checkpoint's 0600
-    started = json.loads((folder / PROVENANCE).read_text()) if (folder / PROVENANCE).is_file() else None
-    (tmp / "molt_export.json").write_text(json.dumps({"run_dir": str(run_dir.resolve()), "policy_version": exported,
-                                                      "checkpoint": str(folder), "started_from": started}, indent=1))
-    tmp.rename(out)
+    try:
+        shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE, PROVENANCE),
+                        copy_function=shutil.copyfile)  # files readable as the umask allows, not the checkpoint's 0600
+        started = json.loads((folder / PROVENANCE).read_text()) if (folder / PROVENANCE).is_file() else None
+        (tmp / "molt_export.json").write_text(json.dumps({"run_dir": str(run_dir.resolve()), "checkpoint": str(folder),
+                                                          "policy_version": exported, "started_from": started}))
+        tmp.rename(out)
+    except BaseException:  # a full disk, an interrupt: nothing half-written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out, exported

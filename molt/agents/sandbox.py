@@ -18,8 +18,8 @@ dependencies ships it, or one on ``PATH`` is used):
   output included (``output_bytes``), 64 open files (which bounds memory held in memfds to
   64 x ``output_bytes``), and processes (``max_processes``: as root the code runs as a user
   id no other run at once has, 100000 + 64 x pid + a free slot of its process, so the limit counts
-  only its processes and it can signal no other sandbox; as another user, that user's tasks now plus ``max_processes``); and a wall-clock
-  limit after which the whole PID namespace is killed.
+  only its processes and it can signal no other sandbox; as another user, that user's tasks now
+  plus ``max_processes``); and a wall-clock limit after which the whole PID namespace is killed.
 
 Not guaranteed: the kernel's own attack surface (no seccomp filter); run as a
 user other than root, sandboxes share that user's process count (and the code runs as that
