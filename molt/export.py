@@ -14,13 +14,13 @@ import shutil
 from pathlib import Path
 
 TRAINING_STATE = ("optimizer.pt", "rng.rank*.pt")  # in a checkpoint's trainer folder; not part of a model
-PROVENANCE = "molt-model.json"  # the starting model's (molt.models), kept as molt_export.json's started_from
+PROVENANCE = "molt-model.json"  # how the first model was made (molt.models): molt_export.json's made_from
 
 
 def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int]:
     """Write the trainer's weights of ``run_dir``'s complete checkpoint at ``version`` (default: the newest)
     as the Hugging Face folder ``out`` (into a temporary sibling, then renamed), with ``molt_export.json``
-    naming the run, version, checkpoint and the provenance of the model the run started from.
+    naming the run, version, checkpoint, the model the run started from and how that one's base was made.
 
     Returns:
         (``out``, the policy version exported).
@@ -35,15 +35,16 @@ def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int
         raise ValueError(f"molt export: {str(run_dir)!r} is not a run directory (no pipeline.yaml)")
     if out.exists():
         raise ValueError(f"molt export: {str(out)!r} exists; hint: name a new folder")
-    folder, exported, _ = resolve_target(str(run_dir), version)
-    assert exported is not None  # a run directory's
+    folder, exported, pipe = resolve_target(str(run_dir), version)
+    assert exported is not None and pipe is not None  # a run directory's
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*TRAINING_STATE, PROVENANCE),
                         copy_function=shutil.copyfile)  # files readable as the umask allows, not the checkpoint's 0600
-        started = json.loads((folder / PROVENANCE).read_text()) if (folder / PROVENANCE).is_file() else None
-        (tmp / "molt_export.json").write_text(json.dumps({"run_dir": str(run_dir.resolve()), "checkpoint": str(folder),
-                                                          "policy_version": exported, "started_from": started}))
+        made = json.loads((folder / PROVENANCE).read_text()) if (folder / PROVENANCE).is_file() else None
+        (tmp / "molt_export.json").write_text(json.dumps({
+            "run_dir": str(run_dir.resolve()), "checkpoint": str(folder), "policy_version": exported,
+            "started_from": getattr(pipe.stages[folder.name].config, "model", None), "made_from": made}))
         tmp.rename(out)
     except BaseException:  # a full disk, an interrupt: nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)

@@ -23,7 +23,8 @@ def logprob_gaps(model_dir, rows, version):
     return gaps
 
 
-def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(full_rl_run, tmp_path, capsys):
+def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(full_rl_run, tiny_chat_model, tmp_path,
+                                                                             capsys):
     assert main(["export", str(full_rl_run), str(tmp_path / "v2"), "--version", "2"]) == 0
     assert "policy version 2" in capsys.readouterr().out
     files = {f.name for f in (tmp_path / "v2").iterdir()}
@@ -32,7 +33,8 @@ def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(ful
     umask = os.umask(0o22)
     os.umask(umask)
     assert {f.stat().st_mode & 0o777 for f in (tmp_path / "v2").iterdir()} == {0o666 & ~umask}, "as the umask allows"
-    assert json.loads((tmp_path / "v2" / "molt_export.json").read_text())["policy_version"] == 2
+    made = json.loads((tmp_path / "v2" / "molt_export.json").read_text())
+    assert made["policy_version"] == 2 and made["started_from"] == str(tiny_chat_model)
     rows = [r for b in read_batches(full_rl_run / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
     gaps = logprob_gaps(tmp_path / "v2", rows, 2)
     assert len(gaps) >= 8 and max(gaps) < 1e-4, "the engine sampled version 2's tokens from these weights"
