@@ -3,7 +3,8 @@
 The trainer's part of a complete checkpoint is already a model folder (molt.train.state: config,
 tokenizer, chat template and ``model.safetensors`` under the names engines load); the export copies it
 without the optimizer and RNG state, so ``transformers``' ``from_pretrained`` and ``vllm.LLM`` load OUT
-as they load the model the run started from.
+as they load the model the run started from. A LoRA run's weights there are merged; ``OUT/adapter/`` is
+its adapter alone in peft's format (molt.train.lora: ``PeftModel.from_pretrained(base, OUT/adapter)``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """Train: one FSDP2 optimizer step of the policy per packed step batch (DESIGN §8).
 
-Runs as a torchrun group (``world_size: N``): rank 0 receives each step batch from
-the pack stage and every rank sees it; each rank trains the rows the pack stage
-placed on it (``dp_rank``), micro-batch by micro-batch, with the loss selected in
-YAML (molt.train.step: policy loss, off-policy correction, optional KL,
-aggregation over the step's global token count), then AdamW with clipping and a
-warmup/decay schedule. Before a step, every generated token's ``policy_version`` is
-checked against ``max_staleness``; a violation stops the run naming the sample.
+Runs as a torchrun group (``world_size: N``): rank 0 receives each step batch from the pack stage and
+every rank sees it; each rank trains the rows the pack stage placed on it (``dp_rank``), micro-batch by
+micro-batch, with the loss selected in YAML (molt.train.step: policy loss, off-policy correction, optional
+KL, aggregation over the step's global token count), then AdamW with clipping and a warmup/decay schedule
+(``lora``: of low-rank adapters on the frozen policy, molt.train.lora). Before a step, every generated
+token's ``policy_version`` is checked against ``max_staleness``; a violation stops the run naming the sample.
 
-After each step it publishes the new version (molt.train.publish: on every rank, as the gather and
-the probe are collectives) on ``weights`` and each further ``publish`` output, where subscribed and
-due, logs one line (``step 12  loss 0.41  reward 0.62 ... export 0.25s  mem 3.1GB``; a
-warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which can stop the run),
-writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and ranks; the
-collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a step record on ``out``.
-Checkpoint (molt.train.state): every rank saves the full model (a HF folder), AdamW and RNG state
-at a barrier; a resumed trainer restores them and publishes the restored version first.
+After each step it publishes the new version (molt.train.publish, a collective) on ``weights`` and each
+further ``publish`` output, where subscribed and due, logs one line (``step 12  loss 0.41  reward 0.62 ...
+export 0.25s  mem 3.1GB``; a warning ending ``COLLAPSE: ...`` past the bounds of molt.train.collapse, which
+can stop the run), writes policy metrics (molt.algorithms.policy_metrics, merged over micro-batches and
+ranks; the collapse shares), ``lag/mean_run`` and ``tokens_trained``, and sends a step record on ``out``.
+Checkpoint (molt.train.state): every rank saves the model (a HF folder; ``lora``: merged, and the adapter),
+AdamW and RNG state at a barrier; a resumed trainer restores them and publishes the restored version first.
 
     train: {class: stages.train.Train, world_size: 2, config: {policy_loss: {type: ppo, clip_high: 0.28},
             optim: {lr: 1.0e-6}}}   # model, temperature, precision, max_staleness, weights: the policy block
@@ -41,8 +39,9 @@ from molt.policy import Precision, policy_field
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
+from molt.train.lora import LoraConfig, apply_lora
 from molt.train.model import load_policy, shard_policy
-from molt.train.moe import check_moe_keys, freeze_routers
+from molt.train.moe import apply_moe_keys
 from molt.train.optim import OptimConfig, make_optimizer
 from molt.train.publish import PublishConfig, Publisher
 from molt.train.state import export_model_folder, load_train_state, save_train_state
@@ -68,6 +67,7 @@ class Train(Service):
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         freeze_router: bool = Field(False, description="MoE: routers get no gradient (molt.train.moe)")
+        lora: LoraConfig | None = Field(None, description="adapters on the frozen policy (molt.train.lora)")
         expert_parallel_size: int = Field(1, ge=1, description="MoE: 1, or the world size to shard the experts "
                                           "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
         export_model: str | None = Field(None, description="at the end: write the policy as a HF folder, this name "
@@ -101,9 +101,9 @@ class Train(Service):
         torch.manual_seed(self.ctx.seed_for() if c.seed is None else c.seed)
         self.model_dir = resolve_model(c.model)
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
-        if c.freeze_router:
-            freeze_routers(model.lm, f"{key}.freeze_router")
-        check_moe_keys(c, model.router_hooks is not None, key)
+        apply_moe_keys(c, model.lm, key)  # MoE-only keys checked, routers frozen if asked
+        if c.lora is not None:
+            apply_lora(model, c.lora, f"{key}.lora")
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer(self.model, c.optim, f"{key}.optim")
         self.version = 0  # optimizer steps taken

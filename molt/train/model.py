@@ -36,6 +36,7 @@ from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions, pack
 from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
                                   supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
+from molt.train.lora import LoraConfig, is_adapter, merge_lora
 from molt.train.moe import RouterHooks, fp32_router_policy, packed_engine_routing, routers
 from molt.train.packing import PackedSequence, pack_sequences
 
@@ -110,6 +111,7 @@ class PolicyModel(nn.Module):
         self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
         self.router_hooks = RouterHooks(lm) if routers(lm) else None
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
+        self.lora: LoraConfig | None = None  # set by molt.train.lora.apply_lora
         self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward (`forward`)
 
     @property
@@ -343,7 +345,8 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
 
 
 def export_names(model: PolicyModel) -> dict[str, str]:
-    """Map of wrapper state-dict names to the HF names the model folder uses.
+    """Map of wrapper state-dict names (a LoRA model's merged ones, molt.train.lora.merge_lora) to the HF
+    names the model folder uses.
 
     Drops ``lm.`` and, when embeddings are tied, ``lm_head.weight`` (the HF folder
     stores only ``model.embed_tokens.weight``; engines tie it back on load).
@@ -351,6 +354,9 @@ def export_names(model: PolicyModel) -> dict[str, str]:
     tied = bool(getattr(model.lm.config, "tie_word_embeddings", False))
     names = {}
     for name in model.state_dict():
+        if is_adapter(name):
+            continue
+        name = name.replace(".base_layer.", ".")
         hf = name.removeprefix("lm.")
         if not (tied and hf == "lm_head.weight"):
             names[name] = hf
@@ -366,14 +372,18 @@ def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
     ``revert_weight_conversion`` (what ``save_pretrained`` applies): e.g. a Mixtral's fused
     ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the checkpoint's per-expert
     ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, the names engines load; tensors the
-    folder stores transposed go back to its layout (`checkpoint_layout`).
+    folder stores transposed go back to its layout (`checkpoint_layout`). A LoRA model's adapters
+    are merged into the weights they adapt (molt.train.lora.merge_lora).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers.core_model_loading import revert_weight_conversion
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = cast(dict[str, Tensor], get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                                         cpu_offload=True)))
+    if model.lora is not None:
+        full = merge_lora(full, model.lora.scaling)
     names = export_names(model)
-    state = {names[k]: cast(Tensor, v) for k, v in full.items() if k in names}
+    state = {names[k]: v for k, v in full.items() if k in names}
     if state:
         state = revert_weight_conversion(model.lm, state)  # type: ignore[arg-type]
     return {name: checkpoint_layout(tensor, model.checkpoint_shapes.get(name)).contiguous()

@@ -62,20 +62,24 @@ def freeze_routers(lm: nn.Module, where: str) -> int:
     return len(params)
 
 
-def check_moe_keys(config: Any, has_router: bool, where: str) -> None:
+def apply_moe_keys(config: Any, lm: nn.Module, where: str) -> None:
     """Refuse MoE-only train keys (``router_aux_loss_coef``, ``routing_replay``,
-    ``routing_replay_compare``) for a dense model, and the aux loss with ``freeze_router``.
+    ``routing_replay_compare``) for a dense model, and the aux loss with ``freeze_router``;
+    then freeze ``lm``'s routers if ``freeze_router`` (`freeze_routers`).
 
     Raises:
         ValueError: naming the key under ``where`` (e.g. ``stages.train.config.routing_replay``).
     """
     keys = ("router_aux_loss_coef", "routing_replay", "routing_replay_compare")
+    has_router = bool(routers(lm))
     for key in (k for k in keys if getattr(config, k) and not has_router):
         raise ValueError(f"{where}.{key}: the model has no mixture-of-experts router; hint: remove the key "
                          "for a dense model")
     if config.router_aux_loss_coef and config.freeze_router:
         raise ValueError(f"{where}.router_aux_loss_coef: frozen routers (freeze_router) cannot learn from it; "
                          "hint: router_aux_loss_coef: 0")
+    if config.freeze_router:
+        freeze_routers(lm, f"{where}.freeze_router")
 
 
 class RouterHooks:

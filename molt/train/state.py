@@ -6,6 +6,8 @@ In a checkpoint folder, for a train stage with id ``train``::
                             tokenizer files + model.safetensors (HF names, tied
                             embeddings stored once), loadable by an engine as is
     train/optimizer.pt      the full AdamW state keyed by parameter name (torch.save)
+    train/adapter/          a LoRA run's adapter alone, in peft's format (molt.train.lora; model.safetensors
+                            holds the weights merged)
     train/rng.rank{r}.pt    torch's RNG state of rank r
     train.0.json            written last by the stage: {"state": {"version": k}, ...}
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from molt.train.lora import load_adapter, merge_lora, save_adapter
 from molt.train.model import PolicyModel, export_names, full_state_dict
 
 
@@ -40,8 +43,9 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full, optim_state = get_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_state = cast(dict[str, torch.Tensor], full)
     rank = dist.get_rank()
     folder.mkdir(parents=True, exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
@@ -50,9 +54,15 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     if rank == 0:
         _copy_model_files(model_dir, folder)
         names = export_names(model)
-        weights = {names[k]: cast(torch.Tensor, v).contiguous() for k, v in model_state.items() if k in names}
+        merged = merge_lora(model_state, model.lora.scaling) if model.lora else model_state
+        weights = {names[k]: v.contiguous() for k, v in merged.items() if k in names}
         save_file(weights, str(folder / ".model.tmp"), metadata={"format": "pt"})
         os.replace(folder / ".model.tmp", folder / "model.safetensors")
+        if model.lora:
+            shutil.rmtree(folder / ".adapter.tmp", ignore_errors=True)
+            save_adapter(folder / ".adapter.tmp", model_state, model, str(model_dir))
+            shutil.rmtree(folder / "adapter", ignore_errors=True)
+            os.replace(folder / ".adapter.tmp", folder / "adapter")
         torch.save(optim_state, folder / ".optimizer.tmp")
         os.replace(folder / ".optimizer.tmp", folder / "optimizer.pt")
     dist.barrier()
@@ -92,7 +102,8 @@ def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
 
 
 def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> None:
-    """Restore what `save_train_state` wrote (a collective: call on every rank).
+    """Restore what `save_train_state` wrote (a collective: call on every rank). A LoRA model restores its
+    adapter (and routers trained in full) only: its frozen base is the model it was loaded from.
 
     Raises:
         ValueError: a file is missing, or the weights' names differ from the model's.
@@ -108,13 +119,15 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     if rank == 0:
-        model_state = _model_state(folder / "model.safetensors", model)
+        model_state = load_adapter(folder / "adapter", model) if model.lora else \
+            _model_state(folder / "model.safetensors", model)
         optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
     # Two calls, not set_state_dict: given an empty model dict (ranks > 0) it would skip the
     # model's broadcast that rank 0 joins.
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not model.lora)
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
     rng_path = folder / f"rng.rank{rank}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved
         rng = torch.load(rng_path, weights_only=True)

@@ -1,0 +1,163 @@
+"""LoRA: low-rank adapters on a frozen policy (Hu et al. 2021, "LoRA", arXiv:2106.09685), through peft.
+
+`apply_lora` puts peft's LoRA layers into the loaded policy in place (``peft.inject_adapter_in_model``:
+the model stays its transformers class, so FSDP2, the packed attention, routing replay and ``lr_scale``
+see the same modules) and freezes every other parameter; the optimizer then holds state for the
+adapters only (molt.train.optim takes trainable parameters). A targeted linear computes
+``W x + (alpha / rank) * B (A x)`` with ``A [rank, in]`` (Kaiming-uniform) and ``B [out, rank]`` (zeros),
+so the policy at version 0 is the base model.
+
+Weights that leave the trainer (refits, checkpoints' ``model.safetensors``, ``export_model``) are merged,
+``W + (alpha / rank) * B @ A`` under the base model's names (`merge_lora`), so every engine loads them as
+a full model. A checkpoint also holds the adapter alone in peft's format (`save_adapter`: folder
+``adapter/``, loadable with ``peft.PeftModel.from_pretrained`` or as a vLLM ``LoRARequest``); a resumed
+trainer reloads its base from ``policy.model`` and the adapter from there (`load_adapter`).
+
+    train: {config: {lora: {rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj]}}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from molt.train.moe import routers
+
+if TYPE_CHECKING:
+    from molt.train.model import PolicyModel
+
+ADAPTER = "default"  # peft's adapter name inside the model
+PEFT_PREFIX = "base_model.model."  # how peft's files name the model's modules
+
+
+class LoraConfig(BaseModel):
+    """YAML ``stages.<train>.config.lora``: which linears get adapters, and their shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(16, ge=1, description="r: the adapters' inner dimension")
+    alpha: int = Field(32, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapters' input while training; > 0 makes the "
+                           "trainer's forward random, so an on-policy ratio is no longer 1")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="linear modules by name suffix (peft's matching), e.g. [q_proj, v_proj]; "
+        "a MoE's fused experts are parameters, not linears: they stay frozen")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def apply_lora(model: PolicyModel, config: LoraConfig, where: str = "lora") -> None:
+    """Add adapters to the policy's linears named by ``config.target_modules`` (in place) and freeze every
+    other parameter but a MoE's routers that still train (molt.train.moe: ``freeze_router: false``, which
+    they then do in full: peft's ``modules_to_save``); sets ``model.lora``.
+
+    Raises:
+        ValueError: a target matches no module, or a module that is not a linear or is a router (naming
+            ``where``).
+    """
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import Linear, LoraLayer
+
+    router_ids = {id(router) for router in routers(model.lm)}
+    router_params = {id(p) for router in routers(model.lm) for p in router.parameters() if p.requires_grad}
+    try:
+        inject_adapter_in_model(peft_config(config), model.lm, adapter_name=ADAPTER)
+    except ValueError as err:
+        raise ValueError(f"{where}.target_modules: {err}") from err
+    for name, module in model.lm.named_modules():
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+        if base is not None and (id(base) in router_ids or not isinstance(module, Linear)):
+            what = "a router" if id(base) in router_ids else type(base).__name__
+            raise ValueError(f"{where}.target_modules: {name} is {what}; adapters go on linear layers, routers "
+                             "train in full (freeze_router: false) or not at all")
+    for name, param in model.lm.named_parameters():
+        param.requires_grad_(is_adapter(name) or id(param) in router_params)
+    model.lora = config
+
+
+def peft_config(config: LoraConfig, base: str | None = None):  # -> peft.LoraConfig
+    """peft's LoraConfig for ``config`` (``base``: the model folder, written as base_model_name_or_path)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
+                          target_modules=list(config.target_modules), base_model_name_or_path=base)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is one of peft's adapter tensors (``...lora_A.default.weight``)."""
+    return ".lora_" in name
+
+
+def merge_lora(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """A state dict under the base model's names with each adapted weight merged.
+
+    ``X.base_layer.weight`` [out, in] becomes ``X.weight`` = it + ``scaling`` * ``X.lora_B.default.weight``
+    [out, rank] @ ``X.lora_A.default.weight`` [rank, in] (computed in fp32, cast back); ``X.base_layer.bias``
+    becomes ``X.bias``; adapter tensors are dropped. A state dict without adapters comes back as it was.
+    """
+    merged = {}
+    for name, value in state.items():
+        if is_adapter(name):
+            continue
+        module, base, leaf = name.partition(".base_layer.")
+        if base and leaf == "weight":
+            a, b = state[f"{module}.lora_A.{ADAPTER}.weight"], state[f"{module}.lora_B.{ADAPTER}.weight"]
+            value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+        merged[f"{module}.{leaf}" if base else name] = value
+    return merged
+
+
+def save_adapter(folder: Path, state: dict[str, Tensor], model: PolicyModel, base: str) -> None:
+    """Write the trained tensors of ``state`` (``model``'s names) into ``folder`` in peft's format.
+
+    ``adapter_model.safetensors``: adapters as ``base_model.model.X.lora_A.weight``, parameters trained
+    in full (routers) as ``base_model.model.X.weight``; ``adapter_config.json``: peft's LoraConfig with
+    base_model_name_or_path ``base`` and those modules as ``modules_to_save``.
+    """
+    assert model.lora is not None
+    trained = trained_names(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {_peft_name(k): v.contiguous() for k, v in state.items() if k in trained}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = peft_config(model.lora, base)
+    config.modules_to_save = sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}) or None
+    (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list, indent=2))
+
+
+def load_adapter(folder: Path, model: PolicyModel) -> dict[str, Tensor]:
+    """The tensors `save_adapter` wrote, under ``model``'s parameter names.
+
+    Raises:
+        ValueError: the file is missing, or its tensors differ from ``model``'s trained ones.
+    """
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {folder}: no adapter_model.safetensors; hint: the run trained without "
+                         "lora, or the checkpoint is incomplete")
+    state = model.state_dict()
+    own = {_peft_name(k): (k, tuple(state[k].shape)) for k in trained_names(model)}
+    with safe_open(str(path), framework="pt") as handle:
+        saved = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        if saved != {k: shape for k, (_, shape) in own.items()}:
+            diff = sorted(k for k in set(saved) | set(own) if saved.get(k) != own.get(k, (0, None))[1])
+            raise ValueError(f"checkpoint {path}: adapter tensors differ from the model's in names or shapes, e.g. "
+                             f"{diff[:3]}; hint: resume with the lora settings the run was started with")
+        return {name: handle.get_tensor(k) for k, (name, _) in own.items()}
+
+
+def trained_names(model: nn.Module) -> set[str]:
+    """State-dict names of the parameters that train (a LoRA model's adapters and routers)."""
+    return {name for name, param in model.named_parameters() if param.requires_grad}
+
+
+def _peft_name(name: str) -> str:
+    """peft's file name of a parameter: ``lm.X.lora_A.default.weight`` -> ``base_model.model.X.lora_A.weight``."""
+    return PEFT_PREFIX + name.removeprefix("lm.").replace(f".{ADAPTER}.", ".")
