@@ -86,7 +86,7 @@ def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_ste
         assert torch.equal(p, q), name
 
     other, other_optimizer = lora_policy(tiny_chat_model, LORA.model_copy(update={"rank": 8}))
-    with pytest.raises(ValueError, match=r"adapter tensors differ .* in names or shapes, e.g. .*lora_A.weight.* hint: resume with the lora"):
+    with pytest.raises(ValueError, match=r"tensors differ .* names or shapes, e.g. .*lora_A.weight.* hint: resume"):
         load_train_state(tmp_path / "train", other, other_optimizer)
 
 
@@ -181,3 +181,13 @@ def test_a_lora_rl_loop_refits_verified_merged_weights_and_exports_the_adapter(t
         base = AutoModelForCausalLM.from_pretrained(tiny_chat_model)(input_ids=ids).logits
     assert version >= 1 and (merged - base).abs().max() > 1e-4, "trained"
     torch.testing.assert_close(adapted, merged, atol=1e-5, rtol=0)
+
+
+def test_quickstart_lora_is_the_quickstart_with_adapters_and_a_tenfold_lr():
+    from molt.pipeline import Pipeline
+
+    quick, lora = (Pipeline.from_yaml(f"pipelines/{name}.yaml").to_dict() for name in ("quickstart", "quickstart_lora"))
+    train, lr = lora["stages"]["train"]["config"], quick["stages"]["train"]["config"]["optim"]["lr"]
+    assert train["lora"] == LoraConfig(rank=16, alpha=32).model_dump() and train["optim"]["lr"] == 10 * lr
+    train["lora"], train["optim"]["lr"], lora["name"] = None, lr, "quickstart"
+    assert lora == quick
