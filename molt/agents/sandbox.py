@@ -20,6 +20,7 @@ dependencies ships it, or one on ``PATH`` is used):
   id no other run at once has, 100000 + 64 x pid + a free slot of its process, so the limit counts
   only its processes and it can signal no other sandbox; as another user, that user's tasks now
   plus ``max_processes``); and a wall-clock limit after which the whole PID namespace is killed.
+  As root, a run's slot (its user id) is free again only once no process of that id is left.
 
 Not guaranteed: the kernel's own attack surface (no seccomp filter); run as a
 user other than root, sandboxes share that user's process count (and the code runs as that
@@ -121,10 +122,10 @@ class Sandbox:
             raise SandboxUnavailable(f"{self.bwrap} cannot start a sandbox here: {probe.text().strip()}; hint: "
                                      "user namespaces must be allowed (sysctl kernel.unprivileged_userns_clone=1)")
 
-    def _command(self, slot: int) -> list[str]:
+    def _command(self, uid: int) -> list[str]:
         c, root = self.config, os.geteuid() == 0
         nproc = c.max_processes if root else _tasks_of(os.getuid()) + c.max_processes
-        boot = _BOOT.format(uid=100_000 + 64 * os.getpid() + slot, cpu=c.cpu_seconds, memory=c.memory_mib << 20,
+        boot = _BOOT.format(uid=uid, cpu=c.cpu_seconds, memory=c.memory_mib << 20,
                             output=c.output_bytes, nproc=nproc)
         tmpfs = ["--perms", "1777", "--size", str(c.files_mib << 20), "--tmpfs"]
         binds = [a for d in ("lib", "lib64", "bin", "sbin") if Path(f"/{d}").is_symlink()
@@ -145,9 +146,10 @@ class Sandbox:
         except UnicodeEncodeError as e:
             return SandboxResult("", f"the code is not UTF-8 text ({e})", 0.0)
         slot = _SLOTS.get()  # waits while 64 runs of this process are under way
+        uid = 100_000 + 64 * os.getpid() + slot  # as root: no other run at once has it
         with tempfile.TemporaryFile() as out:
             try:
-                proc = subprocess.Popen(self._command(slot), stdin=subprocess.PIPE, stdout=out,
+                proc = subprocess.Popen(self._command(uid), stdin=subprocess.PIPE, stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True, env={})  # bwrap's own
                 proc.communicate(source, timeout=c.wall_seconds)  # process is visible in /proc
                 error = _exit_error(proc.returncode, c, out.tell() >= c.output_bytes)
@@ -156,7 +158,9 @@ class Sandbox:
                 proc.wait()
                 error = f"wall-clock limit: killed after {c.wall_seconds:g} s"
             finally:
-                _SLOTS.put(slot)  # its PID namespace is gone: no process of that user id is left
+                if os.geteuid() == 0:  # a PID namespace torn down by a kill dies after bwrap has returned
+                    _reap(uid)
+                _SLOTS.put(slot)  # no process of that user id is left
             out.seek(0)
             output = out.read(c.output_bytes).decode(errors="replace")
         return SandboxResult(output, error, time.monotonic() - start)
@@ -172,16 +176,39 @@ def _exit_error(code: int, c: SandboxConfig, output_full: bool) -> str:
     return f"killed by signal {sig}" if sig else f"exit code {code}" if code else ""
 
 
-def _tasks_of(uid: int) -> int:
-    """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts)."""
-    n = 0
+def _pids_of(uid: int) -> list[int]:
+    """Processes of ``uid`` now."""
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.stat(f"/proc/{pid}").st_uid == uid:
-                n += len(os.listdir(f"/proc/{pid}/task"))
+                pids.append(int(pid))
+        except OSError:  # it ended meanwhile
+            pass
+    return pids
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts)."""
+    n = 0
+    for pid in _pids_of(uid):
+        try:
+            n += len(os.listdir(f"/proc/{pid}/task"))
         except OSError:  # it ended meanwhile
             pass
     return n
+
+
+def _reap(uid: int, seconds: float = 5.0) -> None:
+    """SIGKILL every process of a run's own user id (as root) until none is left, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (pids := _pids_of(uid)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
+        time.sleep(0.01)
 
 
 class PythonTool(Tool):
