@@ -2,7 +2,6 @@
 
 import json
 
-import pyarrow as pa
 import pytest
 import torch
 
@@ -12,8 +11,8 @@ from molt.train.optim import make_optimizer
 from molt.train.packing import pack_sequences
 from molt.train.state import export_model_folder, load_train_state, save_train_state
 from tests.conftest import run_spec
-from tests.test_train import (OBJECTIVE, OPTIM, TEMPERATURE, random_groups, rl_pipeline, step_batch,
-                              with_evaluation)
+from tests.test_train import (OBJECTIVE, OPTIM, TEMPERATURE, check_two_ranks_give_the_one_rank_update, random_groups,
+                              rl_pipeline, step_batch, with_evaluation)
 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
@@ -123,37 +122,8 @@ def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp
     load_train_state(tmp_path / "train", model, optimizer)
 
 
-def _rank_main(rank, world_size, model_dir, batch_bytes, out_path, init_file):
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    model, optimizer = lora_policy(model_dir)
-    result = train_step(model, optimizer, pa.ipc.open_stream(batch_bytes).read_next_batch(), OBJECTIVE, OPTIM, 0)
-    weights = full_state_dict(model)
-    if rank == 0:
-        save_file(weights, out_path, metadata={"loss": repr(result.loss)})
-    dist.destroy_process_group()
-
-
 def test_lora_on_two_fsdp2_ranks_gives_the_one_rank_update(tiny_chat_model, tmp_path):
-    from safetensors import safe_open
-
-    groups = random_groups(seed=1)
-    model, optimizer = lora_policy(tiny_chat_model)
-    base = train_step(model, optimizer, step_batch(groups, max_tokens=30), OBJECTIVE, OPTIM, version=0)
-    base_w = full_state_dict(model)
-    batch = step_batch(groups, world_size=2, max_tokens=30)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    out = tmp_path / "ws2.safetensors"
-    torch.multiprocessing.spawn(_rank_main, args=(2, str(tiny_chat_model), sink.getvalue().to_pybytes(), str(out),
-                                                  str(tmp_path / "init")), nprocs=2, join=True)
-    with safe_open(str(out), "pt") as handle:
-        assert float(handle.metadata()["loss"]) == pytest.approx(base.loss, rel=1e-5)
-        for name, tensor in base_w.items():
-            torch.testing.assert_close(handle.get_tensor(name), tensor, atol=2e-6, rtol=0)
+    check_two_ranks_give_the_one_rank_update(tiny_chat_model, tmp_path, LORA)
 
 
 def test_a_lora_rl_loop_refits_verified_merged_weights_and_exports_the_adapter(tiny_chat_model, tmp_path, no_orphans):

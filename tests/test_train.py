@@ -13,6 +13,7 @@ from molt.stage import StageContext
 from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state_dict, train_step
 from molt.train.attention import packed_sdpa, row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
+from molt.train.lora import apply_lora
 from molt.train.model import load_policy, shard_policy
 from molt.train.optim import make_optimizer, set_lr
 from molt.train.packing import pack_sequences
@@ -52,9 +53,12 @@ def step_batch(groups, world_size=1, max_tokens=4096):
     return pack.place(groups)
 
 
-def train_once(model_dir, batch, compute_dtype="float32"):
+def train_once(model_dir, batch, compute_dtype="float32", lora=None):
     torch.manual_seed(0)
-    model = shard_policy(load_policy(model_dir, TEMPERATURE, chunk_tokens=5), compute_dtype)
+    model = load_policy(model_dir, TEMPERATURE, chunk_tokens=5)
+    if lora is not None:
+        apply_lora(model, lora)
+    model = shard_policy(model, compute_dtype)
     optimizer = make_optimizer(model, OPTIM)
     result = train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)
     return result, full_state_dict(model)
@@ -231,35 +235,40 @@ def test_one_two_or_four_micro_batches_give_the_same_loss_and_weights(tiny_chat_
             torch.testing.assert_close(weights[name], tensor, atol=2e-6, rtol=0)
 
 
-def _rank_main(rank, world_size, model_dir, batch_bytes, out_path, init_file):
+def _rank_main(rank, world_size, model_dir, batch_bytes, out_path, init_file, lora):
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     batch = pa.ipc.open_stream(batch_bytes).read_next_batch()
-    result, weights = train_once(model_dir, batch)
+    result, weights = train_once(model_dir, batch, lora=lora)
     if rank == 0:
         save_file(weights, out_path, metadata={"loss": repr(result.loss)})
     dist.destroy_process_group()
 
 
-def test_world_size_two_gives_the_same_update_as_world_size_one(tiny_chat_model, tmp_path):
+def check_two_ranks_give_the_one_rank_update(model_dir, tmp_path, lora=None):
+    """One step of the same groups on one rank and on two (spawned, gloo): same loss and weights."""
     from safetensors import safe_open
 
     groups = random_groups(seed=1)
-    base, base_w = train_once(tiny_chat_model, step_batch(groups, max_tokens=30))
+    base, base_w = train_once(model_dir, step_batch(groups, max_tokens=30), lora=lora)
     batch = step_batch(groups, world_size=2, max_tokens=30)
     assert set(batch.column("dp_rank").to_pylist()) == {0, 1}
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     out = tmp_path / "ws2.safetensors"
-    torch.multiprocessing.spawn(_rank_main, args=(2, str(tiny_chat_model), sink.getvalue().to_pybytes(), str(out),
-                                                  str(tmp_path / "init")), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_rank_main, args=(2, str(model_dir), sink.getvalue().to_pybytes(), str(out),
+                                                  str(tmp_path / "init"), lora), nprocs=2, join=True)
     with safe_open(str(out), "pt") as handle:
         assert float(handle.metadata()["loss"]) == pytest.approx(base.loss, rel=1e-5)
         for name, tensor in base_w.items():
             torch.testing.assert_close(handle.get_tensor(name), tensor, atol=2e-6, rtol=0)
+
+
+def test_world_size_two_gives_the_same_update_as_world_size_one(tiny_chat_model, tmp_path):
+    check_two_ranks_give_the_one_rank_update(tiny_chat_model, tmp_path)
 
 
 def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_schedule():
