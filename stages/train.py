@@ -39,7 +39,7 @@ from molt.policy import Precision, policy_field
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
-from molt.train.lora import LoraConfig, apply_lora
+from molt.train.lora import LoraConfig
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import apply_moe_keys
 from molt.train.optim import OptimConfig, make_optimizer
@@ -103,7 +103,7 @@ class Train(Service):
         model = load_policy(self.model_dir, c.temperature, c.chunk_tokens)
         apply_moe_keys(c, model.lm, key)  # MoE-only keys checked, routers frozen if asked
         if c.lora is not None:
-            apply_lora(model, c.lora, f"{key}.lora")
+            model.add_lora(c.lora, f"{key}.lora")
         self.model = shard_policy(model, c.compute_dtype, c.device, c.expert_parallel_size)
         self.optimizer = make_optimizer(self.model, c.optim, f"{key}.optim")
         self.version = 0  # optimizer steps taken

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from molt.train import full_state_dict, load_policy, shard_policy, train_step
-from molt.train.lora import LoraConfig, apply_lora
+from molt.train.lora import LoraConfig
 from molt.train.optim import make_optimizer
 from molt.train.packing import pack_sequences
 from molt.train.state import export_model_folder, load_train_state, save_train_state
@@ -20,7 +20,7 @@ LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_pro
 def lora_policy(model_dir, config=LORA, compute_dtype="float32"):
     torch.manual_seed(0)
     model = load_policy(model_dir, TEMPERATURE)
-    apply_lora(model, config, "stages.train.config.lora")
+    model.add_lora(config, "stages.train.config.lora")
     model = shard_policy(model, compute_dtype)
     return model, make_optimizer(model, OPTIM)
 
@@ -91,7 +91,7 @@ def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_ste
 
 def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_moe):
     def apply(model_dir, targets):
-        apply_lora(load_policy(model_dir, TEMPERATURE), LoraConfig(target_modules=targets), "stages.train.config.lora")
+        load_policy(model_dir, TEMPERATURE).add_lora(LoraConfig(target_modules=targets), "stages.train.config.lora")
 
     with pytest.raises(ValueError, match=r"stages.train.config.lora.target_modules: .*q_prj"):
         apply(tiny_chat_model, ["q_prj"])
@@ -109,7 +109,7 @@ def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp
     config = type("C", (), {"router_aux_loss_coef": 0.0, "routing_replay": False, "routing_replay_compare": False,
                             "freeze_router": freeze_router})
     apply_moe_keys(config, model.lm, "stages.train.config")
-    apply_lora(model, LoraConfig(target_modules=["q_proj"]))
+    model.add_lora(LoraConfig(target_modules=["q_proj"]))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     routers = {n for n in trained if n.endswith(".mlp.gate.weight")}
     assert len(routers) == (0 if freeze_router else 2) and not any("experts" in n for n in trained)

@@ -13,7 +13,6 @@ from molt.stage import StageContext
 from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state_dict, train_step
 from molt.train.attention import packed_sdpa, row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs
-from molt.train.lora import apply_lora
 from molt.train.model import load_policy, shard_policy
 from molt.train.optim import make_optimizer, set_lr
 from molt.train.packing import pack_sequences
@@ -57,7 +56,7 @@ def train_once(model_dir, batch, compute_dtype="float32", lora=None):
     torch.manual_seed(0)
     model = load_policy(model_dir, TEMPERATURE, chunk_tokens=5)
     if lora is not None:
-        apply_lora(model, lora)
+        model.add_lora(lora)
     model = shard_policy(model, compute_dtype)
     optimizer = make_optimizer(model, OPTIM)
     result = train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
@@ -28,9 +27,6 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from molt.train.moe import routers
-
-if TYPE_CHECKING:
-    from molt.train.model import PolicyModel
 
 ADAPTER = "default"  # peft's adapter name inside the model
 PEFT_PREFIX = "base_model.model."  # how peft's files name the model's modules
@@ -54,10 +50,10 @@ class LoraConfig(BaseModel):
         return self.alpha / self.rank
 
 
-def apply_lora(model: PolicyModel, config: LoraConfig, where: str = "lora") -> None:
-    """Add adapters to the policy's linears named by ``config.target_modules`` (in place) and freeze every
+def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
+    """Add adapters to ``lm``'s linears named by ``config.target_modules`` (in place) and freeze every
     other parameter but a MoE's routers that still train (molt.train.moe: ``freeze_router: false``, which
-    they then do in full: peft's ``modules_to_save``); sets ``model.lora``.
+    they then do in full: peft's ``modules_to_save``). `PolicyModel.add_lora` calls it.
 
     Raises:
         ValueError: a target matches no module, or a module that is not a linear or is a router (naming
@@ -66,21 +62,20 @@ def apply_lora(model: PolicyModel, config: LoraConfig, where: str = "lora") -> N
     from peft import inject_adapter_in_model
     from peft.tuners.lora import Linear, LoraLayer
 
-    router_ids = {id(router) for router in routers(model.lm)}
-    router_params = {id(p) for router in routers(model.lm) for p in router.parameters() if p.requires_grad}
+    router_ids = {id(router) for router in routers(lm)}
+    router_params = {id(p) for router in routers(lm) for p in router.parameters() if p.requires_grad}
     try:
-        inject_adapter_in_model(peft_config(config), model.lm, adapter_name=ADAPTER)
+        inject_adapter_in_model(peft_config(config), lm, adapter_name=ADAPTER)
     except ValueError as err:
         raise ValueError(f"{where}.target_modules: {err}") from err
-    for name, module in model.lm.named_modules():
+    for name, module in lm.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         if base is not None and (id(base) in router_ids or not isinstance(module, Linear)):
             what = "a router" if id(base) in router_ids else type(base).__name__
             raise ValueError(f"{where}.target_modules: {name} is {what}; adapters go on linear layers, routers "
                              "train in full (freeze_router: false) or not at all")
-    for name, param in model.lm.named_parameters():
+    for name, param in lm.named_parameters():
         param.requires_grad_(is_adapter(name) or id(param) in router_params)
-    model.lora = config
 
 
 def peft_config(config: LoraConfig, base: str | None = None):  # -> peft.LoraConfig
@@ -115,24 +110,23 @@ def merge_lora(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
     return merged
 
 
-def save_adapter(folder: Path, state: dict[str, Tensor], model: PolicyModel, base: str) -> None:
+def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora: LoraConfig, base: str) -> None:
     """Write the trained tensors of ``state`` (``model``'s names) into ``folder`` in peft's format.
 
     ``adapter_model.safetensors``: adapters as ``base_model.model.X.lora_A.weight``, parameters trained
     in full (routers) as ``base_model.model.X.weight``; ``adapter_config.json``: peft's LoraConfig with
     base_model_name_or_path ``base`` and those modules as ``modules_to_save``.
     """
-    assert model.lora is not None
     trained = trained_names(model)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {_peft_name(k): v.contiguous() for k, v in state.items() if k in trained}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = peft_config(model.lora, base)
+    config = peft_config(lora, base)
     config.modules_to_save = sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}) or None
     (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list, indent=2))
 
 
-def load_adapter(folder: Path, model: PolicyModel) -> dict[str, Tensor]:
+def load_adapter(folder: Path, model: nn.Module) -> dict[str, Tensor]:
     """The tensors `save_adapter` wrote, under ``model``'s parameter names.
 
     Raises:

@@ -36,7 +36,7 @@ from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions, pack
 from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
                                   supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
-from molt.train.lora import LoraConfig, is_adapter, merge_lora
+from molt.train.lora import LoraConfig, apply_lora, is_adapter, merge_lora
 from molt.train.moe import RouterHooks, fp32_router_policy, packed_engine_routing, routers
 from molt.train.packing import PackedSequence, pack_sequences
 
@@ -111,8 +111,13 @@ class PolicyModel(nn.Module):
         self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
         self.router_hooks = RouterHooks(lm) if routers(lm) else None
         self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
-        self.lora: LoraConfig | None = None  # set by molt.train.lora.apply_lora
+        self.lora: LoraConfig | None = None  # `add_lora`
         self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward (`forward`)
+
+    def add_lora(self, config: LoraConfig, where: str = "lora") -> None:
+        """Train adapters instead (molt.train.lora.apply_lora); weights leaving the trainer are then merged."""
+        apply_lora(self.lm, config, where)
+        self.lora = config
 
     @property
     def shares_prompts(self) -> bool:

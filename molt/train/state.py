@@ -60,7 +60,7 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
         os.replace(folder / ".model.tmp", folder / "model.safetensors")
         if model.lora:
             shutil.rmtree(folder / ".adapter.tmp", ignore_errors=True)
-            save_adapter(folder / ".adapter.tmp", model_state, model, str(model_dir))
+            save_adapter(folder / ".adapter.tmp", model_state, model, model.lora, str(model_dir))
             shutil.rmtree(folder / "adapter", ignore_errors=True)
             os.replace(folder / ".adapter.tmp", folder / "adapter")
         torch.save(optim_state, folder / ".optimizer.tmp")
