@@ -18,6 +18,13 @@ without copying them anywhere, is printed beside). Target: <= 1.5x. The two alte
 refits here vary up to 4-5x; every repeat and the medians are printed beside).
 Run: ``python bench/refit.py [--repeats 10]``; ends with
 ``ratio refit R (molt X s / baseline Y s)`` after a breakdown of the best refit.
+
+``--lora``: a LoRA policy (rank 16, alpha 32 on every linear of attention and MLP, as
+pipelines/quickstart_lora.yaml) refitted both ways, alternating per version: its adapter alone
+(``publish_adapter``, served by a vLLM engine with LoRA: molt.engines.vllm_lora) against its merged
+weights (``publish_weights`` of ``full_state_dict`` into an engine without LoRA), each from the
+trainer's gather to the verified refit. Ends with ``lora refit: bytes Bx fewer, Sx faster``.
+Targets (issue 32): >= 10x fewer bytes, >= 3x faster.
 """
 
 from __future__ import annotations
@@ -99,6 +106,54 @@ async def alternate(model_dir: Path, folder: Path,
     return rows, bases
 
 
+async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict[str, list[float]]:
+    """Per version, a verified adapter refit and a verified merged refit of one LoRA policy (module
+    docstring): seconds from the gather to the verified refit and bytes published, for each."""
+    from molt.engines.refit import apply_weight_record
+    from molt.engines.vllm import VLLMEngine
+    from molt.policy import LoraConfig
+    from molt.refit import probe_token_ids
+    from molt.train import full_state_dict, load_policy, shard_policy
+    from molt.train.lora import adapter_state
+    from molt.train.publish import policy_probe, publish_adapter, publish_weights
+
+    lora = LoraConfig(rank=16, alpha=32)
+    model = load_policy(model_dir, temperature=1.0)
+    model.add_lora(lora)
+    model = shard_policy(model)
+    with torch.no_grad():  # B starts at 0: make every adapter count, so each version changes the probe
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 1e-3)
+    probe_ids = probe_token_ids(model.lm.config.vocab_size)
+    engines = {"lora": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5, lora=lora,
+                                  max_loras=2),
+               "full": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5)}
+    out: dict[str, list[float]] = {"lora": [], "full": [], "lora_bytes": [], "full_bytes": []}
+    try:
+        for version in range(1, repeats + 1):
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if ".lora_" in name:
+                        param.mul_(1.0 + 1e-2 * (-1) ** version)
+            for kind, engine in engines.items():
+                start = time.perf_counter()
+                probe = lambda: policy_probe(model, probe_ids, atol=1e-3)  # noqa: E731
+                if kind == "lora":
+                    record = publish_adapter(adapter_state(model), folder / f"a{version}", version, probe, lora)
+                else:
+                    record = publish_weights(full_state_dict(model), folder / f"v{version}.safetensors", version, probe)
+                assert await apply_weight_record(engine, record)
+                out[kind].append(time.perf_counter() - start)
+                out[f"{kind}_bytes"].append(record["num_bytes"])
+            shutil.rmtree(folder / f"a{version}")
+            (folder / f"v{version}.safetensors").unlink()
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return out
+
+
 def digest_seconds(state: dict[str, torch.Tensor], folder: Path) -> tuple[float, float]:
     """(trainer-side digests from memory, engine-side digests reading the file) in seconds."""
     from safetensors.torch import save_file
@@ -118,12 +173,25 @@ def digest_seconds(state: dict[str, torch.Tensor], folder: Path) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--lora", action="store_true", help="adapter refits against merged refits (module docstring)")
     args = ap.parse_args()
     from safetensors.torch import load_file
 
     from molt.models import resolve_model
 
     model_dir = resolve_model("smollm2-135m-instruct")
+    if args.lora:
+        folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        try:
+            times = asyncio.run(lora_against_full(model_dir, folder, args.repeats))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        lora, full = statistics.median(times["lora"]), statistics.median(times["full"])
+        print("every version, lora / full (s): " + "  ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["lora"], times["full"])))
+        print(f"bytes: lora {times['lora_bytes'][0] / 1e6:.1f} MB, full {times['full_bytes'][0] / 1e6:.1f} MB; "
+              f"medians: lora {lora:.2f} s, full {full:.2f} s (gather to verified refit)")
+        print(f"lora refit: bytes {times['full_bytes'][0] / times['lora_bytes'][0]:.1f}x fewer, {full / lora:.1f}x faster")
+        return
     state = load_file(str(model_dir / "model.safetensors"))  # the names and tensors an export holds
     folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:

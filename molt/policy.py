@@ -8,13 +8,14 @@
       max_staleness: 1                        # the trainer's bound; a rollout may admit more strictly
       weights: {keep_versions: 1}             # how the trainer publishes its weights output (molt.refit)
       tool_parser: hermes                     # the format of tool calls: rollout, evaluation and SFT records alike
+      lora: {rank: 16, alpha: 32}             # the trainer trains adapters, the engines serve them (molt.train.lora)
 
 A stage config field declared with `policy_field` names the fact it holds. Where the YAML leaves
 it unset, it takes the block's value when the pipeline loads (`apply_policy`), or, where the block
 leaves the fact out, the value a stage states (so a fact stated once anywhere holds for all).
 Where the YAML sets it (an override), the value is checked, by the field's ``relation``:
 
-- ``equal`` (model, temperature, groups_per_step, the trainer's max_staleness, weights, tool_parser): every
+- ``equal`` (model, temperature, groups_per_step, the trainer's max_staleness, weights, tool_parser, lora): every
   stated value must be the same; a contradiction fails at load naming both keys. (A trainer's
   temperature at 1.0 against a rollout at 0.8 biases every importance ratio by about 10%: the
   trainer must compute the logprobs of the distribution the engine sampled from.)
@@ -43,11 +44,29 @@ from molt.refit import PublishConfig
 
 logger = logging.getLogger(__name__)
 Precision = Literal["float32", "bfloat16"]
-Fact = Literal["model", "precision", "temperature", "groups_per_step", "max_staleness", "weights", "tool_parser"]
+Fact = Literal["model", "precision", "temperature", "groups_per_step", "max_staleness", "weights", "tool_parser", "lora"]
 Relation = Literal["equal", "at_most", "warn"]
 MISMATCH_COST = ("the trainer's logprobs then differ from the engine's (a bf16 trainer against an fp32 engine, "
                  "the quickstart's first on-policy step: |logprob diff| mean 0.027, max 0.39, ratio max 1.38 "
                  "instead of 1.0001), so keep a correction (TIS/IcePop) on")
+
+
+class LoraConfig(BaseModel):
+    """``policy.lora`` (or the train stage's ``lora``): which linears get adapters, and their shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(16, ge=1, description="r: the adapters' inner dimension")
+    alpha: int = Field(32, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapters' input while training; > 0 makes the "
+                           "trainer's forward random, so an on-policy ratio is no longer 1")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="linear modules by name suffix (peft's matching), e.g. [q_proj, v_proj]; "
+        "a MoE's fused experts are parameters, not linears: they stay frozen")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
 
 
 class PolicySpec(BaseModel):
@@ -65,6 +84,8 @@ class PolicySpec(BaseModel):
     weights: PublishConfig | None = Field(None, description="how the trainer publishes its weights output")
     tool_parser: str | None = Field(None, description="the format of the policy's tool calls: hermes (default) or a "
                                     "molt.agents.tools.ToolParser's import path")
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters (molt.train.lora); engines then serve "
+                                    "each version's adapter (molt.engines.vllm)")
 
 
 def policy_field(fact: Fact, default: Any = None, relation: Relation | None = None, **kwargs: Any) -> Any:

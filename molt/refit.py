@@ -224,6 +224,17 @@ def check_covers(expected: set[str], record: dict[str, Any]) -> None:
                          f"e.g. {missing[:3]}; hint: export the full state dict")
 
 
+ADAPTER_FILE = "adapter_model.safetensors"  # a peft adapter folder's tensors, beside adapter_config.json
+PEFT_PREFIX = "base_model.model."  # how peft's files name the model's modules
+
+
+def merge_adapter(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A LoRA-adapted linear's merged weight (Hu et al. 2021, arXiv:2106.09685): ``weight`` [out, in] +
+    ``scaling`` (alpha / rank) * ``lora_b`` [out, rank] @ ``lora_a`` [rank, in], computed in fp32 and cast
+    back to ``weight``'s dtype."""
+    return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
 def tensor_digest(tensor: torch.Tensor) -> str:
     """Fingerprint a tensor's dtype, shape and raw bytes.
 

@@ -32,7 +32,6 @@ cannot delete a version still to be evaluated; only the newest link (and one bei
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,7 +41,7 @@ from pydantic import Field
 
 from molt.agents import ChatTemplate
 from molt.engines.config import EngineConfig, make_engine
-from molt.engines.refit import apply_weight_record
+from molt.engines.refit import FILE_FORMATS, apply_weight_record, link_weights, remove_weights
 from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.policy import policy_field
 from molt.stage import Port, Service, scratch_folder
@@ -108,24 +107,22 @@ class Evaluate(Service):
         """The record with ``uri`` at a hard link of its file in our folder, now our newest link (the
         previous one is dropped unless an engine is loading it); ``uri`` None if the trainer had
         already pruned the file (it prunes only after writing a newer one, whose record follows)."""
-        if record.get("format", "safetensors") != "safetensors":
+        if record.get("format", "safetensors") not in FILE_FORMATS:
             raise ValueError(f"stage {self.ctx.stage_id!r}: weight record v{record['policy_version']} comes over "
                              f"{record['format']!r}; an evaluation loads files; hint: feed it from a train "
                              "output published with transport {type: shm} (molt.train.publish)")
         source = Path(record["uri"].removeprefix("file://"))
-        link = self.folder / f"v{record['policy_version']}.safetensors"
+        link = self.folder / f"v{record['policy_version']}{source.suffix}"
         if not link.exists():
             try:
-                os.link(source, link)
+                link_weights(source, link)
             except FileNotFoundError:
                 self.log.warning("version %d was pruned before its record was read; a newer one follows",
                                  record["policy_version"])
                 return {**record, "uri": None}
-            except OSError:  # another file system: copy instead
-                shutil.copy(source, link)
         previous, self.newest = self.newest, link
         if previous is not None and previous not in (self.loading, link):
-            previous.unlink(missing_ok=True)
+            remove_weights(previous)
         return {**record, "uri": f"file://{link}"}
 
     async def _load_and_evaluate(self, record: dict[str, Any], names: list[str]) -> None:
@@ -137,7 +134,7 @@ class Evaluate(Service):
                 await apply_weight_record(self.engine, record)
         finally:
             if self.loading != self.newest:
-                self.loading.unlink(missing_ok=True)
+                remove_weights(self.loading)
             self.loading = None
         await self.evaluate(names)
 

@@ -35,11 +35,10 @@ from molt.checkpoint import read_replica_state
 from molt.edges import Barrier
 from molt.memory import peak_memory_gb
 from molt.models import export_path
-from molt.policy import Precision, policy_field
+from molt.policy import LoraConfig, Precision, policy_field
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
-from molt.train.lora import LoraConfig
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import apply_moe_keys
 from molt.train.optim import OptimConfig, make_optimizer
@@ -67,7 +66,7 @@ class Train(Service):
         device: str = Field("cpu", description="cpu (gloo) or cuda (nccl; rank r on GPU LOCAL_RANK)")
         chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the vocabulary projection")
         freeze_router: bool = Field(False, description="MoE: routers get no gradient (molt.train.moe)")
-        lora: LoraConfig | None = Field(None, description="adapters on the frozen policy (molt.train.lora)")
+        lora: LoraConfig | None = policy_field("lora", description="adapters on the frozen policy (molt.train.lora)")
         expert_parallel_size: int = Field(1, ge=1, description="MoE: 1, or the world size to shard the experts "
                                           "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
         export_model: str | None = Field(None, description="at the end: write the policy as a HF folder, this name "

@@ -1,12 +1,14 @@
 """LoRA (molt.train.lora): only adapters train, merged refits, peft-format checkpoints, exact resume."""
 
+import asyncio
 import json
+import os
 
 import pytest
 import torch
 
 from molt.train import full_state_dict, load_policy, shard_policy, train_step
-from molt.train.lora import LoraConfig
+from molt.policy import LoraConfig
 from molt.train.optim import make_optimizer
 from molt.train.packing import pack_sequences
 from molt.train.state import export_model_folder, load_train_state, save_train_state
@@ -97,6 +99,8 @@ def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_
         apply(tiny_chat_model, ["q_prj"])
     with pytest.raises(ValueError, match=r"lora.target_modules: model.embed_tokens is Embedding; adapters go on"):
         apply(tiny_chat_model, ["embed_tokens", "q_proj"])
+    with pytest.raises(ValueError, match=r"lora.target_modules: lm_head is the output head; adapters go on"):
+        apply(tiny_chat_model, ["lm_head", "q_proj"])
     with pytest.raises(ValueError, match=r"lora.target_modules: model.layers.0.mlp.gate is a router"):
         apply(tiny_moe, ["gate", "q_proj"])
 
@@ -122,11 +126,92 @@ def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp
     load_train_state(tmp_path / "train", model, optimizer)
 
 
+def publish(model, tmp_path, version=1):
+    """Publish ``model`` as ``version`` through the train stage's Publisher; (its record, the Publisher)."""
+    from molt.refit import PublishConfig
+    from molt.train.publish import Publisher
+
+    sent = []
+
+    async def send(batch):
+        sent.append(batch.to_pylist()[-1])
+
+    publisher = Publisher(PublishConfig(dir=str(tmp_path / "weights")), model, 0, "policy.weights")
+    asyncio.run(publisher.publish(version, send))
+    return sent[0], publisher
+
+
+def test_an_adapter_refit_ships_the_adapter_alone_and_engines_verify_it_served_or_merged(tiny_chat_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from molt.engines.hf import TransformersEngine
+    from molt.engines.refit import apply_weight_record, merged_checkpoint
+    from molt.engines.vllm_lora import load_merged
+
+    model, optimizer = lora_policy(tiny_chat_model)
+    train_step(model, optimizer, step_batch(random_groups()), OBJECTIVE, OPTIM, version=0)
+    record, publisher = publish(model, tmp_path)
+    folder = record["uri"].removeprefix("file://")
+    assert record["format"] == "peft" and sorted(os.listdir(folder)) == ["adapter_config.json",
+                                                                         "adapter_model.safetensors"]
+    assert len(record["tensor_names"]) == 2 * 3 * 2 and all(".lora_" in n for n in record["tensor_names"])
+    full = sum(t.numel() * 4 for t in load_file(str(tiny_chat_model / "model.safetensors")).values())
+    assert record["num_bytes"] * 10 < full, "the adapter alone"
+    # an engine serving adapters (the transformers engine: peft's layers in its model), verified
+    engine = TransformersEngine(str(tiny_chat_model))
+    assert asyncio.run(apply_weight_record(engine, record)) and engine.policy_version == 1
+    torch.testing.assert_close(asyncio.run(engine.prompt_logprobs(record["probe_token_ids"])),
+                               record["probe_logprobs"], atol=2e-6, rtol=0)
+    # the merge fallback: the base weights with the adapter merged are the trainer's merged weights
+    merged, trainers = merged_checkpoint(tiny_chat_model, folder), full_state_dict(model)
+    assert set(merged) == set(trainers) and all(torch.equal(merged[k], trainers[k]) for k in merged)
+    plain = TransformersEngine(str(tiny_chat_model))
+    digests = asyncio.run(load_merged(plain.load_weights, tiny_chat_model, folder, 1))
+    assert digests == dict(zip(record["tensor_names"], record["tensor_digests"])) and plain.policy_version == 1
+    torch.testing.assert_close(asyncio.run(plain.prompt_logprobs(record["probe_token_ids"])),
+                               record["probe_logprobs"], atol=2e-6, rtol=0)
+    for version in (2, 3):  # an adapter folder is pruned like a weights file
+        asyncio.run(publisher.publish(version, lambda batch: asyncio.sleep(0)))
+    assert not os.path.exists(folder), "keep_versions 2: version 3's adapter removed version 1's"
+
+
+def test_vllm_serves_only_the_targets_and_an_engine_that_cannot_serve_adapters_starts_without(caplog):
+    from molt.engines.vllm_lora import start_engine
+
+    calls = []
+
+    def start(**lora_args):  # vLLM's start: it fails with LoRA, as for a model class its LoRA does not cover
+        calls.append(lora_args)
+        if lora_args:
+            raise RuntimeError("Engine core initialization failed. See root cause above.")
+        return "engine"
+
+    assert start_engine(start, LORA, 2, "m") == ("engine", None), "no adapters served: each refit is merged"
+    assert calls == [{"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 3,
+                      "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}, {}]
+    assert "vLLM could not start serving LoRA adapters for m" in caplog.text
+    with pytest.raises(ValueError, match="lora.rank: vLLM serves adapters up to rank 512; got 600"):
+        start_engine(start, LoraConfig(rank=600), 2, "m")
+
+
+def test_routers_trained_in_full_make_refits_merged(tiny_moe, tmp_path, caplog):
+    from molt.train.moe import apply_moe_keys
+
+    model = load_policy(tiny_moe, TEMPERATURE)
+    config = type("C", (), {"router_aux_loss_coef": 0.0, "routing_replay": False, "routing_replay_compare": False,
+                            "freeze_router": False})
+    apply_moe_keys(config, model.lm, "stages.train.config")
+    model.add_lora(LoraConfig(target_modules=["q_proj"]))
+    record, _ = publish(shard_policy(model), tmp_path)
+    assert record["format"] == "safetensors" and "policy.weights: refits ship the merged weights, not the adapter " \
+        "alone: routers train in full" in caplog.text
+
+
 def test_lora_on_two_fsdp2_ranks_gives_the_one_rank_update(tiny_chat_model, tmp_path):
     check_two_ranks_give_the_one_rank_update(tiny_chat_model, tmp_path, LORA)
 
 
-def test_a_lora_rl_loop_refits_verified_merged_weights_and_exports_the_adapter(tiny_chat_model, tmp_path, no_orphans):
+def test_a_lora_rl_loop_refits_verified_adapters_and_exports_the_adapter(tiny_chat_model, tmp_path, no_orphans):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -140,7 +225,8 @@ def test_a_lora_rl_loop_refits_verified_merged_weights_and_exports_the_adapter(t
     assert code == 0, summary.get("error")
     m = summary["metrics"]
     assert m["train/policy_version"] == 2 and m["rollout/refit_seconds"] >= 0, "refits loaded and verified"
-    assert "refit to version 1 verified" in (tmp_path / "run" / "logs" / "rollout.0.log").read_text()
+    log = (tmp_path / "run" / "logs" / "rollout.0.log").read_text()
+    assert "loaded the adapter of version 1" in log and "refit to version 1 verified" in log
     assert m["train/grad_norm"] > 0
     out, version = export_run(tmp_path / "run", None, tmp_path / "export")
     ids = torch.tensor([[1, 100, 101, 102]])
@@ -156,8 +242,66 @@ def test_a_lora_rl_loop_refits_verified_merged_weights_and_exports_the_adapter(t
 def test_quickstart_lora_is_the_quickstart_with_adapters_and_a_tenfold_lr():
     from molt.pipeline import Pipeline
 
-    quick, lora = (Pipeline.from_yaml(f"pipelines/{name}.yaml").to_dict() for name in ("quickstart", "quickstart_lora"))
-    train, lr = lora["stages"]["train"]["config"], quick["stages"]["train"]["config"]["optim"]["lr"]
-    assert train["lora"] == LoraConfig(rank=16, alpha=32).model_dump() and train["optim"]["lr"] == 10 * lr
-    train["lora"], train["optim"]["lr"], lora["name"] = None, lr, "quickstart"
-    assert lora == quick
+    quick, lora = (Pipeline.from_yaml(f"pipelines/{name}.yaml") for name in ("quickstart", "quickstart_lora"))
+    stages = lora.stages
+    assert stages["train"].config.lora == stages["rollout"].config.engine.lora == \
+        stages["evaluate"].config.engine.lora == LoraConfig(rank=16, alpha=32), "trained and served"
+    quick_dict, lora_dict = quick.to_dict(), lora.to_dict()
+    train, lr = lora_dict["stages"]["train"]["config"], quick_dict["stages"]["train"]["config"]["optim"]["lr"]
+    assert lora_dict["policy"].pop("lora") == LoraConfig(rank=16, alpha=32).model_dump()
+    assert train["optim"]["lr"] == 10 * lr
+    train["optim"]["lr"], lora_dict["name"] = lr, "quickstart"
+    assert lora_dict == quick_dict
+
+
+def test_two_adapter_versions_live_at_once_on_vllm_each_token_carries_the_version_that_made_it(
+        default_model_dir, tmp_path):
+    """A request admitted under version 1 finishes on version 1's adapter while version 2's serves a newer
+    one (molt.engines.vllm_lora): each token's version is the adapter that produced it, as the trainer's
+    logprobs under that version's adapter show (and under the other version's do not)."""
+    from molt.engines.base import SamplingParams
+    from molt.engines.hf import TransformersEngine
+    from molt.engines.refit import apply_weight_record
+    from molt.engines.vllm import VLLMEngine
+
+    model, _ = lora_policy(default_model_dir)
+    records = {}
+    for version in (1, 2):
+        torch.manual_seed(version)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_(0, 0.02)
+        records[version], _ = publish(model, tmp_path / f"p{version}", version)
+    prompt = [1, 504, 3458, 314, 3766, 30, 2, 198]
+    params = SamplingParams(temperature=1.0, max_new_tokens=160, stop_token_ids=())  # long enough to span a refit
+
+    async def run():
+        engine = VLLMEngine(str(default_model_dir), dtype="float32", max_model_len=256, kv_cache_gib=0.25, lora=LORA,
+                            max_loras=2)
+        try:
+            assert await apply_weight_record(engine, records[1])  # verified: digests and the probe under the adapter
+            first = asyncio.create_task(engine.generate("admitted-at-v1", prompt, params))
+            await asyncio.sleep(0.2)
+            assert await apply_weight_record(engine, records[2]) and not first.done(), "v1's request spans the refit"
+            second = asyncio.create_task(engine.generate("admitted-at-v2", prompt, params))
+            await asyncio.sleep(0.2)
+            assert set(engine._adapters.requests) == {1, 2} and not first.done(), "both adapters live"
+            done = await asyncio.gather(first, second)
+            assert set(engine._adapters.requests) == {2}, "version 1's adapter unloaded once unused"
+            return done
+        finally:
+            engine.close()
+
+    completions = asyncio.run(run())
+    references = {}
+    for version in (1, 2):
+        references[version] = TransformersEngine(str(default_model_dir))
+        asyncio.run(references[version].load_adapter(records[version]["uri"].removeprefix("file://"), version))
+    for version, completion in zip((1, 2), completions):
+        assert completion.policy_versions == [version] * len(completion.token_ids) and len(completion.token_ids) > 4
+        scored = {v: asyncio.run(ref.prompt_logprobs(prompt + completion.token_ids))[len(prompt) - 1:]
+                  for v, ref in references.items()}
+        own = max(abs(a - b) for a, b in zip(scored[version], completion.logprobs))
+        other = max(abs(a - b) for a, b in zip(scored[3 - version], completion.logprobs))
+        assert own < 1e-4 < 1e-2 < other, (version, own, other)

@@ -260,6 +260,17 @@ class Engine(abc.ABC):
         After it returns, every later token carries `version`.
         """
 
+    async def load_adapter(self, folder: str, version: int) -> None:
+        """Take version ``version`` as the weights the engine started from with the LoRA adapter in
+        ``folder`` (peft's format: molt.train.publish.publish_adapter) applied; `last_weight_digests`
+        then holds the adapter tensors' digests as read.
+
+        Raises:
+            ValueError: here, for an engine that takes full weights only.
+        """
+        raise ValueError(f"weight record v{version} is a LoRA adapter ({folder}), but {type(self).__name__} takes "
+                         "full weights only; hint: train without lora, or use a vLLM or transformers engine")
+
     @property
     def streams_weights(self) -> bool:
         """True when refits come streamed (`receive_weights`): the trainer's send then waits

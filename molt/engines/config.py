@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine
-from molt.policy import Precision, policy_field
+from molt.policy import LoraConfig, Precision, policy_field
 from molt.refit import ShmTransport, TransportConfig, check_transport, engine_backend, rank_offset
 
 
@@ -39,17 +39,20 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine shards each layer over")
     enable_expert_parallel: bool = Field(False, description="vLLM: shard a MoE's experts over the engine's GPUs "
                                          "instead of slicing each expert (vLLM's expert parallelism)")
+    lora: LoraConfig | None = policy_field("lora", description="molt.policy: policy.lora; vLLM then serves each "
+                                           "version's adapter (molt.engines.vllm_lora)")
     transport: TransportConfig = Field(
         default_factory=ShmTransport, description="how refits arrive: {type: shm} (files) or {type: nccl} "
         "(vLLM's weight-transfer API; CUDA; the trainer's publish transport must match; molt.refit)")
 
 
 def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", replica: int = 0,
-                seed: int = 0) -> Engine:
+                seed: int = 0, live_versions: int = 1) -> Engine:
     """Start the configured engine on a local Hugging Face folder; ``where`` is the YAML path of
     ``config`` (for errors), ``replica`` the stage replica (its NCCL ranks, for ``transport: nccl``),
     ``seed`` its sampling seed (vLLM's engine-wide seed, its low 32 bits as numpy's seeding takes;
-    the transformers engine's per-request generators; molt.seeds).
+    the transformers engine's per-request generators; molt.seeds), ``live_versions`` the most policy
+    versions its requests in flight span (a LoRA policy's adapters served at once: staleness bound + 1).
 
     Raises:
         ValueError: ``transport`` nccl without CUDA or with the transformers engine, or a model vLLM
@@ -70,7 +73,8 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
             transfer = WeightTransfer(backend, TransferReceiver(rank_offset(replica, workers), workers))
         return VLLMEngine(model_dir, dtype=config.dtype, seed=seed % 2**32, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
-                          record_routing=config.record_routing, weight_transfer=transfer,
+                          record_routing=config.record_routing, weight_transfer=transfer, lora=config.lora,
+                          max_loras=live_versions,
                           engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
                                          **({"tensor_parallel_size": config.tensor_parallel_size}
                                             if config.tensor_parallel_size > 1 else {}),

@@ -37,10 +37,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
-from molt.engines.refit import check_weights_file
+from molt.engines.refit import check_weights_file, read_adapter
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
 from molt.multimodal import VisionProcessor, mrope_positions
-from molt.refit import tensor_digest
+from molt.refit import PEFT_PREFIX, tensor_digest
 from molt.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class TransformersEngine(Engine):
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self.last_weight_digests: dict[str, str] = {}
+        self._adapted = False  # LoRA layers injected (`load_adapter`)
         self._routed: list[torch.Tensor] = []  # the latest forward's top-k ids [N, k] per MoE layer
         self.routing_shape: tuple[int, int] | None = None
         if record_routing:
@@ -278,6 +279,37 @@ class TransformersEngine(Engine):
         self.last_weight_digests = {name: tensor_digest(t) for name, t in state.items()}
         self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s", version, path)
+
+    async def load_adapter(self, folder: str, version: int) -> None:
+        """Serve ``folder``'s LoRA adapter (peft's format) as version ``version`` (`Engine.load_adapter`):
+        peft's LoRA layers go into the model at the first load (``inject_adapter_in_model``), each load
+        copies the adapter's tensors into them between two decode steps; in-flight requests continue on
+        the new adapter, as on new weights (`load_weights`).
+
+        Raises:
+            ValueError: not an adapter folder, or a tensor that names no adapter of the model.
+        """
+        from peft import LoraConfig, inject_adapter_in_model
+
+        self._check_open()
+        assert self._model is not None
+        tensors, _ = read_adapter(folder)
+        async with self._step_lock:
+            if not self._adapted:
+                inject_adapter_in_model(LoraConfig.from_pretrained(folder), self._model)
+                self._adapted = True
+            params = dict(self._model.named_parameters())
+            names = {k: k.removeprefix(PEFT_PREFIX).replace(".weight", ".default.weight") for k in tensors}
+            if unknown := sorted(k for k, name in names.items() if name not in params):
+                raise ValueError(f"adapter {folder}: {len(unknown)} tensors name no adapter of the model, e.g. "
+                                 f"{unknown[:3]}; hint: the engine's model must be the trainer's base")
+            with torch.no_grad():
+                for k, name in names.items():
+                    params[name].copy_(tensors[k])
+            self._version = version
+        self.last_weight_digests = {name: tensor_digest(t) for name, t in tensors.items()}
+        self.last_probe = None
+        logger.info("loaded the adapter of version %d from %s", version, folder)
 
     def _copy_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load checkpoint-named (and -laid-out) weights through transformers' own loader, which

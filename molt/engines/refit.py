@@ -5,14 +5,17 @@ stage's ``weights`` output), pins its file, and `apply_weight_record` loads it i
 and verifies it: every tensor's digest as the engine's loader consumed it (`iter_weights`) must
 equal the trainer's, and the engine's probe must match the trainer's and must have changed
 (molt.refit). A failure raises, naming the version and what differs; the stage then fails and
-the run stops.
+the run stops. A LoRA trainer's record (format "peft") names an adapter folder instead, which the
+engine serves as that version (`Engine.load_adapter`); its digests are those of the adapter's tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +24,14 @@ from typing import Any
 import pyarrow as pa
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from molt.engines.base import Engine
-from molt.refit import Probe, check_probe, check_probe_changed, record_probe, tensor_digest, verify_refit
+from molt.refit import (ADAPTER_FILE, PEFT_PREFIX, Probe, check_probe, check_probe_changed, merge_adapter, record_probe,
+                        tensor_digest, verify_refit)
 
 logger = logging.getLogger(__name__)
+FILE_FORMATS = ("safetensors", "peft")  # records whose weights are files (a LoRA adapter: a folder)
 
 
 def check_weights_file(path: str) -> None:
@@ -57,6 +63,42 @@ def iter_weights(path: str,
             yield name, tensor
 
 
+def read_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], float]:
+    """A peft LoRA folder (molt.train.publish.publish_adapter): its tensors under the file's names
+    (``base_model.model.X.lora_A.weight`` [rank, in], ``...lora_B.weight`` [out, rank]) and its scaling
+    alpha / rank.
+
+    Raises:
+        ValueError: the folder lacks adapter_config.json or adapter_model.safetensors.
+    """
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file() or not (folder / ADAPTER_FILE).is_file():
+        raise ValueError(f"{folder} is not a peft adapter folder: it needs adapter_config.json and {ADAPTER_FILE}")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return load_file(folder / ADAPTER_FILE), float(config["lora_alpha"]) / float(config["r"])
+
+
+def merged_checkpoint(model_dir: str | Path, folder: str | Path) -> dict[str, torch.Tensor]:
+    """The model folder's weights, checkpoint-named, with the peft adapter in ``folder`` merged into each
+    weight it adapts (``X.weight`` += scaling * B @ A, molt.refit.merge_adapter): a full refit.
+
+    Raises:
+        ValueError: an adapted module has no ``X.weight`` in the checkpoint (names that differ from
+            the modules', as some vision-language checkpoints have), naming it.
+    """
+    adapter, scaling = read_adapter(folder)
+    state = {name: tensor for shard in sorted(Path(model_dir).glob("*.safetensors")) for name, tensor in
+             load_file(shard).items()}
+    for name in (n for n in adapter if ".lora_A." in n):
+        module = name.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
+        if f"{module}.weight" not in state:
+            raise ValueError(f"cannot merge the adapter in {folder}: the checkpoint of {model_dir} has no "
+                             f"{module}.weight; hint: serve adapters with an engine that takes them")
+        state[f"{module}.weight"] = merge_adapter(state[f"{module}.weight"], adapter[name],
+                                                  adapter[name.replace(".lora_A.", ".lora_B.")], scaling)
+    return state
+
+
 def file_digests(path: str) -> dict[str, str]:
     """Digest every tensor of a safetensors file: name -> `tensor_digest`."""
     return {name: tensor_digest(tensor) for name, tensor in iter_weights(path, None)}
@@ -80,7 +122,7 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
             the version, the largest difference and its position).
     """
     version = int(record["policy_version"])
-    streamed = record.get("format", "safetensors") != "safetensors"  # the trainer is sending it: take it
+    streamed = record.get("format", "safetensors") not in FILE_FORMATS  # the trainer is sending it: take it
     if version <= engine.policy_version and not streamed:
         return False
     probe = record_probe(record)
@@ -88,6 +130,8 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
     held = dict(engine.last_weight_digests)  # {} until the first refit
     if streamed:
         await engine.receive_weights(record)
+    elif record["format"] == "peft":
+        await engine.load_adapter(record["uri"].removeprefix("file://"), version)
     else:
         await engine.load_weights(record["uri"].removeprefix("file://"), version)
     sent = dict(zip(record["tensor_names"], record["tensor_digests"]))
@@ -137,19 +181,20 @@ async def refit_from(engine: Engine, port: Any, item: pa.RecordBatch) -> tuple[f
 
 @contextlib.contextmanager
 def pinned(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The record with its safetensors file hard-linked under a name of this process for the
-    duration (the file stays readable even if its writer deletes it); streamed records as they are.
+    """The record with its safetensors file (or an adapter folder's files) hard-linked under a name of
+    this process for the duration (they stay readable even if their writer deletes them); streamed
+    records as they are.
 
     Raises:
         FileNotFoundError: naming the version and the file, when it no longer exists.
     """
-    if record.get("format", "safetensors") != "safetensors":
+    if record.get("format", "safetensors") not in FILE_FORMATS:
         yield record
         return
     source = Path(record["uri"].removeprefix("file://"))
     link = source.with_name(f".pin-{os.getpid()}-{source.name}")
     try:
-        os.link(source, link)
+        link_weights(source, link)
     except FileNotFoundError:
         raise FileNotFoundError(f"weights of version {record['policy_version']} are gone: {source} was deleted "
                                 "(a newer version replaced it); hint: raise policy.weights.keep_versions "
@@ -157,7 +202,35 @@ def pinned(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
     try:
         yield {**record, "uri": f"file://{link}"}
     finally:
-        link.unlink(missing_ok=True)
+        remove_weights(link)
+
+
+def link_weights(source: Path, link: Path) -> None:
+    """Hard-link a weights file, or each file of an adapter folder into a new folder, at ``link``
+    (copied where hard links cannot reach: another file system).
+
+    Raises:
+        FileNotFoundError: ``source`` (or one of its files) is gone; nothing is left at ``link``.
+    """
+    files = [(f, link / f.name) for f in source.iterdir()] if source.is_dir() else [(source, link)]
+    try:
+        if source.is_dir():
+            link.mkdir()
+        for file, dest in files:
+            try:
+                os.link(file, dest)
+            except FileNotFoundError:
+                raise
+            except OSError:
+                shutil.copy(file, dest)
+    except FileNotFoundError:
+        remove_weights(link)
+        raise
+
+
+def remove_weights(path: Path) -> None:
+    """Remove a weights file or adapter folder, if there."""
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 async def _probe_before(engine: Engine, probe: Probe | None) -> list[float] | None:

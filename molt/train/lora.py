@@ -21,33 +21,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from molt.policy import LoraConfig
+from molt.refit import ADAPTER_FILE, PEFT_PREFIX, merge_adapter
 from molt.train.moe import routers
 
 ADAPTER = "default"  # peft's adapter name inside the model
-PEFT_PREFIX = "base_model.model."  # how peft's files name the model's modules
-
-
-class LoraConfig(BaseModel):
-    """YAML ``stages.<train>.config.lora``: which linears get adapters, and their shape."""
-
-    model_config = ConfigDict(extra="forbid")
-    rank: int = Field(16, ge=1, description="r: the adapters' inner dimension")
-    alpha: int = Field(32, gt=0, description="the update is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapters' input while training; > 0 makes the "
-                           "trainer's forward random, so an on-policy ratio is no longer 1")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1, description="linear modules by name suffix (peft's matching), e.g. [q_proj, v_proj]; "
-        "a MoE's fused experts are parameters, not linears: they stay frozen")
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
@@ -56,24 +38,26 @@ def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
     they then do in full: peft's ``modules_to_save``). `PolicyModel.add_lora` calls it.
 
     Raises:
-        ValueError: a target matches no module, or a module that is not a linear or is a router (naming
-            ``where``).
+        ValueError: a target matches no module, or a module that is not a linear, is a router or the output
+            head (naming ``where``).
     """
     from peft import inject_adapter_in_model
     from peft.tuners.lora import Linear, LoraLayer
 
     router_ids = {id(router) for router in routers(lm)}
     router_params = {id(p) for router in routers(lm) for p in router.parameters() if p.requires_grad}
+    output_head = lm.get_output_embeddings()  # type: ignore[operator]
     try:
         inject_adapter_in_model(peft_config(config), lm, adapter_name=ADAPTER)
     except ValueError as err:
         raise ValueError(f"{where}.target_modules: {err}") from err
     for name, module in lm.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
-        if base is not None and (id(base) in router_ids or not isinstance(module, Linear)):
-            what = "a router" if id(base) in router_ids else type(base).__name__
-            raise ValueError(f"{where}.target_modules: {name} is {what}; adapters go on linear layers, routers "
-                             "train in full (freeze_router: false) or not at all")
+        head = base is not None and base is output_head  # vLLM's LoRA there breaks the refit probe (engines.vllm_lora)
+        if base is not None and (id(base) in router_ids or not isinstance(module, Linear) or head):
+            what = "a router" if id(base) in router_ids else "the output head" if head else type(base).__name__
+            raise ValueError(f"{where}.target_modules: {name} is {what}; adapters go on the decoder's linear layers, "
+                             "routers train in full (freeze_router: false) or not at all")
     for name, param in lm.named_parameters():
         param.requires_grad_(is_adapter(name) or id(param) in router_params)
 
@@ -95,7 +79,7 @@ def merge_lora(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
     """A state dict under the base model's names with each adapted weight merged.
 
     ``X.base_layer.weight`` [out, in] becomes ``X.weight`` = it + ``scaling`` * ``X.lora_B.default.weight``
-    [out, rank] @ ``X.lora_A.default.weight`` [rank, in] (computed in fp32, cast back); ``X.base_layer.bias``
+    [out, rank] @ ``X.lora_A.default.weight`` [rank, in] (molt.refit.merge_adapter); ``X.base_layer.bias``
     becomes ``X.bias``; adapter tensors are dropped. A state dict without adapters comes back as it was.
     """
     merged = {}
@@ -105,12 +89,12 @@ def merge_lora(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
         module, base, leaf = name.partition(".base_layer.")
         if base and leaf == "weight":
             a, b = state[f"{module}.lora_A.{ADAPTER}.weight"], state[f"{module}.lora_B.{ADAPTER}.weight"]
-            value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+            value = merge_adapter(value, a, b, scaling)
         merged[f"{module}.{leaf}" if base else name] = value
     return merged
 
 
-def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora: LoraConfig, base: str) -> None:
+def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora: LoraConfig, base: str | None) -> None:
     """Write the trained tensors of ``state`` (``model``'s names) into ``folder`` in peft's format.
 
     ``adapter_model.safetensors``: adapters as ``base_model.model.X.lora_A.weight``, parameters trained
@@ -120,10 +104,30 @@ def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora:
     trained = trained_names(model)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {_peft_name(k): v.contiguous() for k, v in state.items() if k in trained}
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    write_adapter_config(folder, lora, base, sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}))
+
+
+def write_adapter_config(folder: Path, lora: LoraConfig, base: str | None, modules_to_save: list[str] | None = None) -> None:
+    """``folder/adapter_config.json``: peft's LoraConfig of ``lora`` (base_model_name_or_path ``base``)."""
     config = peft_config(lora, base)
-    config.modules_to_save = sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}) or None
+    config.modules_to_save = modules_to_save or None  # peft: None, not []
     (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list, indent=2))
+
+
+def adapters_only(model: nn.Module) -> bool:
+    """Whether only adapters train (no router in full): then an adapter alone carries a version."""
+    return all(is_adapter(name) for name in trained_names(model))
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters, whole, on the CPU, under peft's file names (``base_model.model.X.lora_A.weight``
+    [rank, in], ``...lora_B.weight`` [out, rank]); a collective under FSDP2 (each is all-gathered), so
+    every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return {_peft_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
+            for name, p in model.named_parameters() if is_adapter(name)}
 
 
 def load_adapter(folder: Path, model: nn.Module) -> dict[str, Tensor]:
@@ -132,9 +136,9 @@ def load_adapter(folder: Path, model: nn.Module) -> dict[str, Tensor]:
     Raises:
         ValueError: the file is missing, or its tensors differ from ``model``'s trained ones.
     """
-    path = folder / "adapter_model.safetensors"
+    path = folder / ADAPTER_FILE
     if not path.is_file():
-        raise ValueError(f"checkpoint {folder}: no adapter_model.safetensors; hint: the run trained without "
+        raise ValueError(f"checkpoint {folder}: no {ADAPTER_FILE}; hint: the run trained without "
                          "lora, or the checkpoint is incomplete")
     state = model.state_dict()
     own = {_peft_name(k): (k, tuple(state[k].shape)) for k in trained_names(model)}

@@ -36,7 +36,8 @@ from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions, pack
 from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
                                   supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
-from molt.train.lora import LoraConfig, apply_lora, is_adapter, merge_lora
+from molt.policy import LoraConfig
+from molt.train.lora import apply_lora, is_adapter, merge_lora
 from molt.train.moe import RouterHooks, fp32_router_policy, packed_engine_routing, routers
 from molt.train.packing import PackedSequence, pack_sequences
 

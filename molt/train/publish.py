@@ -13,7 +13,10 @@ subscribed weights output whose ``every_steps`` divides the version:
    evaluation, which loads files, then takes a second output: ``policy: {weights: {transport: {type:
    nccl, num_engine_workers: 4}}}`` and ``train.config.publish: {eval_weights: {every_steps: 10}}``.
 
-With tied embeddings only ``model.embed_tokens.weight`` is written, as in the HF folder.
+With tied embeddings only ``model.embed_tokens.weight`` is written, as in the HF folder. A LoRA policy
+whose only trained parameters are its adapters publishes them alone over shm (`publish_adapter`: a peft
+folder, record format "peft"; the engines serve one adapter per live version, molt.engines.vllm_lora);
+with routers trained in full, or streamed, it publishes its merged weights (molt.train.lora.merge_lora).
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import torch
 
-from molt.refit import (DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTransport, Probe, PublishConfig, check_transport,
+from molt.refit import (ADAPTER_FILE, DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTransport, Probe, PublishConfig, check_transport,
                         probe_token_ids, state_digests, weight_record)
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import run_owned, scratch_folder
+from molt.train.lora import adapter_state, adapters_only, write_adapter_config
 from molt.train.model import full_state_dict
 
 if TYPE_CHECKING:
+    from molt.policy import LoraConfig
     from molt.train.nccl_send import NCCLSender
     from molt.train.model import PolicyModel
 
@@ -68,12 +73,16 @@ class Publisher:
                 self.folder = Path(tempfile.mkdtemp(prefix="molt-weights-", dir=config.dir))
         if config.probe_tokens < 2:
             logger.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
+        self.adapters = model.lora is not None and config.transport.type == "shm" and adapters_only(model)
+        if model.lora is not None and not self.adapters:
+            logger.warning("%s: refits ship the merged weights, not the adapter alone: %s", where,
+                           "routers train in full" if config.transport.type == "shm" else "streamed refits")
 
     async def publish(self, version: int, send: Callable[[pa.RecordBatch], Awaitable[None]]) -> None:
         """Publish the model as ``version`` on every rank (collectives); rank 0 sends its record
         with ``send`` (after writing its file, or before the NCCL send)."""
         start = time.monotonic()
-        state = full_state_dict(self.model)
+        state = adapter_state(self.model) if self.adapters else full_state_dict(self.model)
         if self.rank > 0:  # ranks > 0 only take part in the gather and the probe
             self._probe()
             return
@@ -89,8 +98,12 @@ class Publisher:
             await asyncio.to_thread(self.sender.send, state)
         else:
             assert self.folder is not None, "rank 0 of shm has a folder"
-            path = self.folder / f"policy_v{version}.safetensors"
-            record = publish_weights(state, path, version, self._probe)
+            if self.model.lora is not None and self.adapters:
+                path = self.folder / f"policy_v{version}"
+                record = publish_adapter(state, path, version, self._probe, self.model.lora)
+            else:
+                path = self.folder / f"policy_v{version}.safetensors"
+                record = publish_weights(state, path, version, self._probe)
             self._prune(path)
             await send(batch_from_rows([record], WEIGHT_VERSION_SCHEMA))
         self.seconds = time.monotonic() - start
@@ -113,7 +126,9 @@ class Publisher:
     def _prune(self, newest: Path) -> None:
         self.written.append(newest)
         while len(self.written) > self.config.keep_versions:
-            self.written.pop(0).unlink(missing_ok=True)
+            if (old := self.written.pop(0)).is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            old.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Close the NCCL sender; remove a folder outside the run's scratch folder. In the scratch
@@ -162,6 +177,19 @@ def policy_probe(model: PolicyModel, token_ids: list[int], atol: float | None = 
         torch.set_num_threads(threads)
     atol = atol if atol is not None else DEFAULT_ATOL.get(dtypes[0], LOW_PRECISION_ATOL)
     return Probe(list(token_ids), logprobs[1:].float().cpu().tolist(), atol)
+
+
+def publish_adapter(state: dict[str, torch.Tensor], folder: Path, version: int,
+                    probe: Callable[[], Probe | None], lora: LoraConfig) -> dict[str, Any]:
+    """Write the adapters ``state`` (molt.train.lora.adapter_state) as a peft folder ``folder`` atomically
+    (``.tmp``, then a rename) and return its `weight_record`: format "peft", uri the folder."""
+    tmp = folder.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    record = publish_weights(state, tmp / ADAPTER_FILE, version, probe)
+    write_adapter_config(tmp, lora, None)
+    os.replace(tmp, folder)
+    return {**record, "uri": f"file://{folder}", "format": "peft"}
 
 
 def publish_weights(state: dict[str, torch.Tensor], path: Path, version: int,
