@@ -130,8 +130,9 @@ class Adapters:
     async def retire(self, llm: AsyncLLM, newest: int) -> None:
         """Unload every adapter older than ``newest`` that no request in flight uses, and its folder."""
         for version in [v for v in self.requests if v < newest and self.users[v] <= 0]:
-            request = self.requests.pop(version)
-            del self.users[version]
+            if (request := self.requests.pop(version, None)) is None:  # a concurrent retire took it
+                continue
+            self.users.pop(version, None)
             await llm.remove_lora(request.lora_int_id)
             shutil.rmtree(self.folder / f"v{version}", ignore_errors=True)
 
