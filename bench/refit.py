@@ -129,7 +129,8 @@ async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict
     engines = {"lora": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5, lora=lora,
                                   max_loras=2),
                "full": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5)}
-    out: dict[str, list[float]] = {"lora": [], "full": [], "lora_bytes": [], "full_bytes": []}
+    out: dict[str, list[float]] = {f"{kind}{part}": [] for kind in ("lora", "full")
+                                   for part in ("", "_publish", "_load", "_bytes")}
     try:
         for version in range(1, repeats + 1):
             with torch.no_grad():
@@ -143,8 +144,11 @@ async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict
                     record = publish_adapter(adapter_state(model), folder / f"a{version}", version, probe, lora)
                 else:
                     record = publish_weights(full_state_dict(model), folder / f"v{version}.safetensors", version, probe)
+                published = time.perf_counter()
                 assert await apply_weight_record(engine, record)
                 out[kind].append(time.perf_counter() - start)
+                out[f"{kind}_publish"].append(published - start)
+                out[f"{kind}_load"].append(engine.last_load_seconds)
                 out[f"{kind}_bytes"].append(record["num_bytes"])
             shutil.rmtree(folder / f"a{version}")
             (folder / f"v{version}.safetensors").unlink()
@@ -190,6 +194,10 @@ def main() -> None:
         print("every version, lora / full (s): " + "  ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["lora"], times["full"])))
         print(f"bytes: lora {times['lora_bytes'][0] / 1e6:.1f} MB, full {times['full_bytes'][0] / 1e6:.1f} MB; "
               f"medians: lora {lora:.2f} s, full {full:.2f} s (gather to verified refit)")
+        for kind in ("lora", "full"):
+            print(f"  {kind} medians: publish (gather, write || digests || trainer probe) "
+                  f"{statistics.median(times[f'{kind}_publish']):.2f} s, engine load {statistics.median(times[f'{kind}_load']):.2f}"
+                  f" s, the rest (pin, probe and checks) {statistics.median(times[kind]) - statistics.median(times[f'{kind}_publish']) - statistics.median(times[f'{kind}_load']):.2f} s")
         print(f"lora refit: bytes {times['full_bytes'][0] / times['lora_bytes'][0]:.1f}x fewer, {full / lora:.1f}x faster")
         return
     state = load_file(str(model_dir / "model.safetensors"))  # the names and tensors an export holds

@@ -293,12 +293,22 @@ def test_two_adapter_versions_live_at_once_on_vllm_each_token_carries_the_versio
         finally:
             engine.close()
 
+    async def merged():  # an engine that does not serve adapters (on CPU, by default) merges each one, verified
+        engine = VLLMEngine(str(default_model_dir), dtype="float32", max_model_len=256, kv_cache_gib=0.25)
+        try:
+            assert await apply_weight_record(engine, records[1]) and engine.policy_version == 1
+            return await engine.generate("merged-v1", prompt, params)
+        finally:
+            engine.close()
+
     completions = asyncio.run(run())
+    on_merged = asyncio.run(merged())
+    assert on_merged.policy_versions == [1] * len(on_merged.token_ids)
     references = {}
     for version in (1, 2):
         references[version] = TransformersEngine(str(default_model_dir))
         asyncio.run(references[version].load_adapter(records[version]["uri"].removeprefix("file://"), version))
-    for version, completion in zip((1, 2), completions):
+    for version, completion in zip((1, 2, 1), (*completions, on_merged)):
         assert completion.policy_versions == [version] * len(completion.token_ids) and len(completion.token_ids) > 4
         scored = {v: asyncio.run(ref.prompt_logprobs(prompt + completion.token_ids))[len(prompt) - 1:]
                   for v, ref in references.items()}

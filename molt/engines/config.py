@@ -13,7 +13,8 @@ from molt.refit import ShmTransport, TransportConfig, check_transport, engine_ba
 
 
 logger = logging.getLogger(__name__)
-VLLM_ONLY = {"kv_cache_gib", "max_num_seqs", "block_size", "tensor_parallel_size", "enable_expert_parallel"}
+VLLM_ONLY = {"kv_cache_gib", "max_num_seqs", "block_size", "tensor_parallel_size", "enable_expert_parallel",
+             "serve_adapters"}
 
 
 class EngineConfig(BaseModel):
@@ -41,6 +42,10 @@ class EngineConfig(BaseModel):
                                          "instead of slicing each expert (vLLM's expert parallelism)")
     lora: LoraConfig | None = policy_field("lora", description="molt.policy: policy.lora; vLLM then serves each "
                                            "version's adapter (molt.engines.vllm_lora)")
+    serve_adapters: bool | None = Field(
+        None, description="vLLM: serve a LoRA policy's adapters, one per live version (molt.engines.vllm_lora); "
+        "false: merge each into the weights, a full refit; None: serve on GPUs, merge on CPU, where vLLM's LoRA "
+        "kernels halved generation (77 against 155 tokens/s, 135M default, 32 requests)")
     transport: TransportConfig = Field(
         default_factory=ShmTransport, description="how refits arrive: {type: shm} (files) or {type: nccl} "
         "(vLLM's weight-transfer API; CUDA; the trainer's publish transport must match; molt.refit)")
@@ -60,10 +65,15 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     """
     check_transport(config.transport, f"{where}.transport")
     if config.type == "vllm":
+        from vllm.platforms import current_platform
+
         from molt.engines.vllm import VLLMEngine
         from molt.engines.vllm_plugin import check_serves
 
         check_serves(model_dir, f"{where}.type")
+        serve = config.serve_adapters if config.serve_adapters is not None else not current_platform.is_cpu()
+        if config.lora is not None and not serve:
+            logger.info("%s: each LoRA adapter refit is merged into the weights (serve_adapters)", where)
 
         transfer = None
         if (backend := engine_backend(config.transport, f"{where}.transport")) is not None:
@@ -73,7 +83,8 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
             transfer = WeightTransfer(backend, TransferReceiver(rank_offset(replica, workers), workers))
         return VLLMEngine(model_dir, dtype=config.dtype, seed=seed % 2**32, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
-                          record_routing=config.record_routing, weight_transfer=transfer, lora=config.lora,
+                          record_routing=config.record_routing, weight_transfer=transfer,
+                          lora=config.lora if serve else None,
                           max_loras=live_versions,
                           engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
                                          **({"tensor_parallel_size": config.tensor_parallel_size}
