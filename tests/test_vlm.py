@@ -422,3 +422,16 @@ def test_the_vlm_pipelines_load_and_the_gpu_recipe_shards_engines_and_trainer():
     assert sft.stages["train"].config.export_model == cpu.stages["train"].config.model == "shapes-vlm-moe-sft"
     record = sft.stages["source"].config.task.load().record(0)
     assert record["answer"] in {f"{n} {c}" for n in range(1, 5) for c in ("red", "green", "blue", "yellow")}
+
+
+def test_lora_on_a_vlm_adapts_the_language_model_only(tiny_vlm):
+    """The default targets' q/k/v_proj are also the CLIP tower's; adapters stay out of the tower and projector
+    (vLLM's LoRA adapts the language model only: molt.train.lora.VISION_MODULES)."""
+    from molt.policy import LoraConfig
+    from molt.train import load_policy
+
+    model = load_policy(tiny_vlm, 1.0)
+    assert any("vision_tower" in n and n.endswith("q_proj.weight") for n, _ in model.named_parameters())
+    model.add_lora(LoraConfig(rank=4, alpha=8))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}  # adapters, and the MoE's routers in full
+    assert any(".lora_" in n for n in trained) and all(".language_model." in n for n in trained), sorted(trained)[:3]

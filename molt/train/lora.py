@@ -7,13 +7,13 @@ adapters only (molt.train.optim takes trainable parameters). A targeted linear c
 ``W x + (alpha / rank) * B (A x)`` with ``A [rank, in]`` (Kaiming-uniform) and ``B [out, rank]`` (zeros),
 so the policy at version 0 is the base model.
 
-Weights that leave the trainer (refits, checkpoints' ``model.safetensors``, ``export_model``) are merged,
-``W + (alpha / rank) * B @ A`` under the base model's names (`merge_lora`), so every engine loads them as
-a full model. A checkpoint also holds the adapter alone in peft's format (`save_adapter`: folder
-``adapter/``, loadable with ``peft.PeftModel.from_pretrained`` or as a vLLM ``LoRARequest``); a resumed
-trainer reloads its base from ``policy.model`` and the adapter from there (`load_adapter`).
+A refit is the adapter alone (`adapter_state`, molt.train.publish; merged where routers train in full).
+Checkpoints' ``model.safetensors`` and ``export_model`` hold merged weights, ``W + (alpha / rank) * B @ A``
+under the base model's names (`merge_lora`). A checkpoint also holds the adapter alone in peft's format
+(`save_adapter`: ``adapter/``, loadable with ``peft.PeftModel.from_pretrained`` or as a vLLM ``LoRARequest``);
+a resumed trainer reloads its base from ``policy.model`` and the adapter from there (`load_adapter`).
 
-    train: {config: {lora: {rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj]}}}
+    policy: {lora: {rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from molt.refit import ADAPTER_FILE, PEFT_PREFIX, merge_adapter
 from molt.train.moe import routers
 
 ADAPTER = "default"  # peft's adapter name inside the model
+VISION_MODULES = r".*\.(vision_tower|multi_modal_projector|visual)\..*"  # no adapters: vLLM adapts the LM only
 
 
 def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
@@ -67,7 +68,8 @@ def peft_config(config: LoraConfig, base: str | None = None):  # -> peft.LoraCon
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
-                          target_modules=list(config.target_modules), base_model_name_or_path=base)
+                          target_modules=list(config.target_modules), exclude_modules=VISION_MODULES,  # a VLM's
+                          base_model_name_or_path=base)  # tower and projector: a CLIP tower's q/k/v_proj too
 
 
 def is_adapter(name: str) -> bool:
