@@ -20,10 +20,11 @@ Run: ``python bench/refit.py [--repeats 10]``; ends with
 ``ratio refit R (molt X s / baseline Y s)`` after a breakdown of the best refit.
 
 ``--lora``: a LoRA policy (rank 16, alpha 32 on every linear of attention and MLP, as
-pipelines/quickstart_lora.yaml) refitted both ways, alternating per version: its adapter alone
-(``publish_adapter``, served by a vLLM engine with LoRA: molt.engines.vllm_lora) against its merged
-weights (``publish_weights`` of ``full_state_dict`` into an engine without LoRA), each from the
-trainer's gather to the verified refit. Ends with ``lora refit: bytes Bx fewer, Sx faster``.
+pipelines/quickstart_lora.yaml) refitted three ways, alternating per version: its adapter alone
+(``publish_adapter``) served by a vLLM engine with LoRA (molt.engines.vllm_lora) or merged into its
+weights by an engine without (the CPU default), against its merged weights (``publish_weights`` of
+``full_state_dict``), each from the trainer's gather to the verified refit. Ends with
+``lora refit: bytes Bx fewer, Sx faster served, Mx faster merged by the engine``.
 Targets (issue 32): >= 10x fewer bytes, >= 3x faster.
 """
 
@@ -106,6 +107,9 @@ async def alternate(model_dir: Path, folder: Path,
     return rows, bases
 
 
+KINDS = ("lora", "lora_merged", "full")  # a refit of the adapter served, of the adapter merged by the engine, merged
+
+
 async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict[str, list[float]]:
     """Per version, a verified adapter refit and a verified merged refit of one LoRA policy (module
     docstring): seconds from the gather to the verified refit and bytes published, for each."""
@@ -126,11 +130,9 @@ async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict
             if ".lora_B." in name:
                 param.normal_(0, 1e-3)
     probe_ids = probe_token_ids(model.lm.config.vocab_size)
-    engines = {"lora": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5, lora=lora,
-                                  max_loras=2),
-               "full": VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5)}
-    out: dict[str, list[float]] = {f"{kind}{part}": [] for kind in ("lora", "full")
-                                   for part in ("", "_publish", "_load", "_bytes")}
+    engines = {kind: VLLMEngine(str(model_dir), dtype="float32", max_model_len=512, kv_cache_gib=0.5,
+                                lora=lora if kind == "lora" else None, max_loras=2) for kind in KINDS}
+    out: dict[str, list[float]] = {f"{kind}{part}": [] for kind in KINDS for part in ("", "_publish", "_load", "_bytes")}
     try:
         for version in range(1, repeats + 1):
             with torch.no_grad():
@@ -140,8 +142,8 @@ async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict
             for kind, engine in engines.items():
                 start = time.perf_counter()
                 probe = lambda: policy_probe(model, probe_ids, atol=1e-3)  # noqa: E731
-                if kind == "lora":
-                    record = publish_adapter(adapter_state(model), folder / f"a{version}", version, probe, lora)
+                if kind != "full":  # the adapter alone, served ("lora") or merged by the engine ("lora_merged")
+                    record = publish_adapter(adapter_state(model), folder / f"{kind}{version}", version, probe, lora)
                 else:
                     record = publish_weights(full_state_dict(model), folder / f"v{version}.safetensors", version, probe)
                 published = time.perf_counter()
@@ -150,7 +152,8 @@ async def lora_against_full(model_dir: Path, folder: Path, repeats: int) -> dict
                 out[f"{kind}_publish"].append(published - start)
                 out[f"{kind}_load"].append(engine.last_load_seconds)
                 out[f"{kind}_bytes"].append(record["num_bytes"])
-            shutil.rmtree(folder / f"a{version}")
+            for kind in ("lora", "lora_merged"):
+                shutil.rmtree(folder / f"{kind}{version}")
             (folder / f"v{version}.safetensors").unlink()
     finally:
         for engine in engines.values():
@@ -190,15 +193,17 @@ def main() -> None:
             times = asyncio.run(lora_against_full(model_dir, folder, args.repeats))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        lora, full = statistics.median(times["lora"]), statistics.median(times["full"])
-        print("every version, lora / full (s): " + "  ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["lora"], times["full"])))
-        print(f"bytes: lora {times['lora_bytes'][0] / 1e6:.1f} MB, full {times['full_bytes'][0] / 1e6:.1f} MB; "
-              f"medians: lora {lora:.2f} s, full {full:.2f} s (gather to verified refit)")
-        for kind in ("lora", "full"):
-            print(f"  {kind} medians: publish (gather, write || digests || trainer probe) "
-                  f"{statistics.median(times[f'{kind}_publish']):.2f} s, engine load {statistics.median(times[f'{kind}_load']):.2f}"
-                  f" s, the rest (pin, probe and checks) {statistics.median(times[kind]) - statistics.median(times[f'{kind}_publish']) - statistics.median(times[f'{kind}_load']):.2f} s")
-        print(f"lora refit: bytes {times['full_bytes'][0] / times['lora_bytes'][0]:.1f}x fewer, {full / lora:.1f}x faster")
+        median = {kind: statistics.median(times[kind]) for kind in KINDS}
+        print("every version, " + " / ".join(KINDS) + " (s): " + "  ".join(
+            "/".join(f"{times[kind][i]:.2f}" for kind in KINDS) for i in range(args.repeats)))
+        for kind in KINDS:
+            publish, load = (statistics.median(times[f"{kind}_{part}"]) for part in ("publish", "load"))
+            print(f"  {kind}: {times[f'{kind}_bytes'][0] / 1e6:.1f} MB, median {median[kind]:.2f} s = publish (gather, "
+                  f"write || digests || trainer probe) {publish:.2f} + engine load {load:.2f} + the rest (pin, merge, "
+                  f"probe and checks) {median[kind] - publish - load:.2f}")
+        fewer = times["full_bytes"][0] / times["lora_bytes"][0]
+        print(f"lora refit: bytes {fewer:.1f}x fewer, {median['full'] / median['lora']:.1f}x faster served, "
+              f"{median['full'] / median['lora_merged']:.1f}x faster merged by the engine")
         return
     state = load_file(str(model_dir / "model.safetensors"))  # the names and tensors an export holds
     folder = Path(tempfile.mkdtemp(dir="/dev/shm"))

@@ -105,15 +105,21 @@ def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_
         apply(tiny_moe, ["gate", "q_proj"])
 
 
-@pytest.mark.parametrize("freeze_router", [False, True])
-def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp_path, freeze_router):
+def moe_lora_policy(model_dir, freeze_router):
+    """The MoE policy with adapters on q_proj, its routers trained in full unless ``freeze_router`` (unsharded)."""
     from molt.train.moe import apply_moe_keys
 
-    model = load_policy(tiny_moe, TEMPERATURE)
+    model = load_policy(model_dir, TEMPERATURE)
     config = type("C", (), {"router_aux_loss_coef": 0.0, "routing_replay": False, "routing_replay_compare": False,
                             "freeze_router": freeze_router})
     apply_moe_keys(config, model.lm, "stages.train.config")
     model.add_lora(LoraConfig(target_modules=["q_proj"]))
+    return model
+
+
+@pytest.mark.parametrize("freeze_router", [False, True])
+def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp_path, freeze_router):
+    model = moe_lora_policy(tiny_moe, freeze_router)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     routers = {n for n in trained if n.endswith(".mlp.gate.weight")}
     assert len(routers) == (0 if freeze_router else 2) and not any("experts" in n for n in trained)
@@ -195,14 +201,7 @@ def test_vllm_serves_only_the_targets_and_an_engine_that_cannot_serve_adapters_s
 
 
 def test_routers_trained_in_full_make_refits_merged(tiny_moe, tmp_path, caplog):
-    from molt.train.moe import apply_moe_keys
-
-    model = load_policy(tiny_moe, TEMPERATURE)
-    config = type("C", (), {"router_aux_loss_coef": 0.0, "routing_replay": False, "routing_replay_compare": False,
-                            "freeze_router": False})
-    apply_moe_keys(config, model.lm, "stages.train.config")
-    model.add_lora(LoraConfig(target_modules=["q_proj"]))
-    record, _ = publish(shard_policy(model), tmp_path)
+    record, _ = publish(shard_policy(moe_lora_policy(tiny_moe, freeze_router=False)), tmp_path)
     assert record["format"] == "safetensors" and "policy.weights: refits ship the merged weights, not the adapter " \
         "alone: routers train in full" in caplog.text
 

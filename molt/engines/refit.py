@@ -219,9 +219,7 @@ def link_weights(source: Path, link: Path) -> None:
         for file, dest in files:
             try:
                 os.link(file, dest)
-            except FileNotFoundError:
-                raise
-            except OSError:
+            except OSError:  # another file system: a copy (which raises FileNotFoundError too if the file is gone)
                 shutil.copy(file, dest)
     except FileNotFoundError:
         remove_weights(link)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from molt.engines.refit import file_digests, merged_checkpoint
 from molt.refit import ADAPTER_FILE
+from molt.stage import scratch_folder
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from molt.policy import LoraConfig
 
 logger = logging.getLogger(__name__)
-_SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values
 
 
@@ -76,12 +75,12 @@ def start_engine(start: Callable[..., AsyncLLM], lora: LoraConfig | None, max_lo
 async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model_dir: Path, folder: str,
                       version: int) -> dict[str, str]:
     """The merge fallback: ``load_weights`` the base weights of ``model_dir`` with the adapter in ``folder``
-    merged (molt.engines.refit.merged_checkpoint) as version ``version``, from a file in shared memory;
+    merged (molt.engines.refit.merged_checkpoint) as version ``version``, from a file in the run's scratch folder;
     the digests of the adapter's tensors as read."""
     from safetensors.torch import save_file
 
     state = await asyncio.to_thread(merged_checkpoint, model_dir, folder)
-    path = Path(tempfile.mkdtemp(prefix="molt-merged-", dir=_SHM))
+    path = scratch_folder("molt-merged-")  # the run's: removed by the runner even if this process is killed
     try:
         await asyncio.to_thread(save_file, state, str(path / "model.safetensors"))
         await load_weights(str(path / "model.safetensors"), version)
@@ -94,7 +93,7 @@ class Adapters:
     """The adapters a vLLM engine serves, by policy version (module docstring)."""
 
     def __init__(self, folder: Path | None = None) -> None:
-        self.folder = folder or Path(tempfile.mkdtemp(prefix="molt-adapters-", dir=_SHM))
+        self.folder = folder or scratch_folder("molt-adapters-")
         self.requests: dict[int, LoRARequest] = {}  # version -> vLLM's handle of its adapter
         self.users: Counter[int] = Counter()  # version -> requests in flight on its adapter
 
