@@ -79,8 +79,7 @@ class Rollout(Service):
         self.chat = ChatTemplate.for_model(self.model_dir, c.tool_parser, f"{where}.tool_parser")
         self.restarter = EngineRestarter(c.engine_restarts, lambda: make_engine(  # live versions: staleness + 1, >= 2
             c.engine, str(self.model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica),
-            1 + (c.max_staleness or 1)), self.log,
-            self.metrics, self.ctx.inputs.get("weights"))
+            1 + (c.max_staleness or 1)), self.log, self.metrics, self.ctx.inputs.get("weights"))
         self.engine = self.restarter.engine
         self.evaluator = Evaluator(self, c.evaluate, f"{where}.evaluate", "eval", "eval", self.restarter.retrying)
         self.params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=c.seed)

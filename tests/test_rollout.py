@@ -354,7 +354,7 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
     from molt.train.model import export_names, load_policy
     from molt.train.publish import publish_weights
 
-    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed: Streaming(model_dir))
+    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed, live: Streaming(model_dir))
     model = load_policy(tiny_chat_model, temperature=1.0)
     state = model.state_dict()
     state = {hf: state[name] for name, hf in export_names(model).items()}
@@ -427,7 +427,7 @@ def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_rest
 
     started = []
 
-    def make_engine(config, model_dir, where, replica, seed):
+    def make_engine(config, model_dir, where, replica, seed, live_versions):
         started.append(broken(model_dir) if len(started) < deaths else TransformersEngine(model_dir))
         return started[-1]
 
@@ -579,7 +579,7 @@ def test_a_barrier_and_the_end_wait_for_every_group_to_be_sent_not_only_finished
                 await asyncio.sleep(0.01)
             return await super().recv(timeout_s)
 
-    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed:
+    monkeypatch.setattr(rollout_stage, "make_engine", lambda config, model_dir, where, replica, seed, live:
                         TransformersEngine(model_dir))
     prompts = pa.record_batch({"prompt_id": ["p0", "p1"], "metadata": [json.dumps({"prompt": "2+2?"})] * 2})
     config = rollout_stage.Rollout.Config(model=str(tiny_chat_model), engine={"type": "transformers"}, group_size=2,

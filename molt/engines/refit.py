@@ -130,7 +130,7 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
     held = dict(engine.last_weight_digests)  # {} until the first refit
     if streamed:
         await engine.receive_weights(record)
-    elif record["format"] == "peft":
+    elif record.get("format") == "peft":
         await engine.load_adapter(record["uri"].removeprefix("file://"), version)
     else:
         await engine.load_weights(record["uri"].removeprefix("file://"), version)
