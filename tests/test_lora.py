@@ -151,7 +151,7 @@ def test_an_adapter_refit_ships_the_adapter_alone_and_engines_verify_it_served_o
     from safetensors.torch import load_file
 
     from molt.engines.hf import TransformersEngine
-    from molt.engines.refit import apply_weight_record, merged_checkpoint
+    from molt.engines.refit import apply_weight_record, merged_checkpoint, read_adapter
     from molt.engines.vllm_lora import load_merged
 
     model, optimizer = lora_policy(tiny_chat_model)
@@ -169,7 +169,7 @@ def test_an_adapter_refit_ships_the_adapter_alone_and_engines_verify_it_served_o
     torch.testing.assert_close(asyncio.run(engine.prompt_logprobs(record["probe_token_ids"])),
                                record["probe_logprobs"], atol=2e-6, rtol=0)
     # the merge fallback: the base weights with the adapter merged are the trainer's merged weights
-    merged, trainers = merged_checkpoint(tiny_chat_model, folder), full_state_dict(model)
+    merged, trainers = merged_checkpoint(tiny_chat_model, *read_adapter(folder)), full_state_dict(model)
     assert set(merged) == set(trainers) and all(torch.equal(merged[k], trainers[k]) for k in merged)
     plain = TransformersEngine(str(tiny_chat_model))
     digests = asyncio.run(load_merged(plain.load_weights, tiny_chat_model, folder, 1))

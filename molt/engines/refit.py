@@ -78,21 +78,22 @@ def read_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], float]:
     return load_file(folder / ADAPTER_FILE), float(config["lora_alpha"]) / float(config["r"])
 
 
-def merged_checkpoint(model_dir: str | Path, folder: str | Path) -> dict[str, torch.Tensor]:
-    """The model folder's weights, checkpoint-named, with the peft adapter in ``folder`` merged into each
-    weight it adapts (``X.weight`` += scaling * B @ A, molt.refit.merge_adapter): a full refit.
+def merged_checkpoint(model_dir: str | Path, adapter: dict[str, torch.Tensor], scaling: float
+                      ) -> dict[str, torch.Tensor]:
+    """The model folder's weights, checkpoint-named, with a peft adapter (`read_adapter`'s tensors and
+    scaling) merged into each weight it adapts (``X.weight`` += scaling * B @ A, molt.refit.merge_adapter):
+    a full refit.
 
     Raises:
         ValueError: an adapted module has no ``X.weight`` in the checkpoint (names that differ from
             the modules', as some vision-language checkpoints have), naming it.
     """
-    adapter, scaling = read_adapter(folder)
     state = {name: tensor for shard in sorted(Path(model_dir).glob("*.safetensors")) for name, tensor in
              load_file(shard).items()}
     for name in (n for n in adapter if ".lora_A." in n):
         module = name.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
         if f"{module}.weight" not in state:
-            raise ValueError(f"cannot merge the adapter in {folder}: the checkpoint of {model_dir} has no "
+            raise ValueError(f"cannot merge the adapter's {name}: the checkpoint of {model_dir} has no "
                              f"{module}.weight; hint: serve adapters with an engine that takes them")
         state[f"{module}.weight"] = merge_adapter(state[f"{module}.weight"], adapter[name],
                                                   adapter[name.replace(".lora_A.", ".lora_B.")], scaling)

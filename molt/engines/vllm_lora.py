@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from molt.engines.refit import file_digests, merged_checkpoint
-from molt.refit import ADAPTER_FILE
+from molt.engines.refit import file_digests, merged_checkpoint, read_adapter
+from molt.refit import ADAPTER_FILE, state_digests
 from molt.stage import scratch_folder
 
 if TYPE_CHECKING:
@@ -76,17 +76,19 @@ async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model
                       version: int) -> dict[str, str]:
     """The merge fallback: ``load_weights`` the base weights of ``model_dir`` with the adapter in ``folder``
     merged (molt.engines.refit.merged_checkpoint) as version ``version``, from a file in the run's scratch folder;
-    the digests of the adapter's tensors as read."""
+    the digests of the adapter's tensors as read and merged."""
     from safetensors.torch import save_file
 
-    state = await asyncio.to_thread(merged_checkpoint, model_dir, folder)
+    adapter, scaling = await asyncio.to_thread(read_adapter, folder)
+    digests = await asyncio.to_thread(state_digests, adapter)
+    state = await asyncio.to_thread(merged_checkpoint, model_dir, adapter, scaling)
     path = scratch_folder("molt-merged-")  # the run's: removed by the runner even if this process is killed
     try:
         await asyncio.to_thread(save_file, state, str(path / "model.safetensors"))
         await load_weights(str(path / "model.safetensors"), version)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return await asyncio.to_thread(file_digests, str(Path(folder) / ADAPTER_FILE))
+    return digests
 
 
 class Adapters:
