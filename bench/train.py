@@ -14,6 +14,11 @@ step down); the median and slowest step and the process CPU seconds are printed 
 Run: ``python bench/train.py [--rows 4 --tokens 128]``; on a GPU ``--device cuda --dtype
 bfloat16`` (peak memory is then the CUDA allocator's; the baseline runs under autocast).
 Ends with ``ratio train R (molt X tok/s / baseline Y tok/s)``.
+
+``--lora RANK``: the baseline is molt.train training the whole policy, the other side trains
+LoRA adapters of that rank (alpha 2 x rank, every attention and MLP linear: molt.train.lora) on the
+frozen policy, its routers frozen too for a MoE (``--model smollm2-135m-instruct-moe``): the
+trade-off of ``policy.lora``, peak RSS and s/step against full fine-tuning; ratio is lora / full.
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ def make_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def molt_side(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of each timed step of molt.train at world size 1."""
+def molt_side(args: argparse.Namespace, lora: int | None = None) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each timed step of molt.train at world size 1, with adapters of rank ``lora``."""
     from molt.schema import batch_from_rows, make_schema, resolve_fields
     from molt.stage import StageContext
     from molt.train import ObjectiveConfig, OptimConfig, load_policy, shard_policy, train_step
+    from molt.policy import LoraConfig
+    from molt.train.moe import freeze_routers, routers
     from molt.train.optim import make_optimizer
     from stages.pack import Pack
 
@@ -59,7 +66,12 @@ def molt_side(args: argparse.Namespace) -> list[tuple[float, float]]:
                 StageContext("pack"))
     pack.setup()
     batch = pack.place([batch_from_rows(rows, schema)])
-    model = shard_policy(load_policy(resolve_model(args.model), TEMPERATURE), args.dtype, args.device)
+    model = load_policy(resolve_model(args.model), TEMPERATURE)
+    if lora is not None:
+        if routers(model.lm):  # routers trained in full would make every refit a merged one
+            freeze_routers(model.lm, "--lora")
+        model.add_lora(LoraConfig(rank=lora, alpha=2 * lora))
+    model = shard_policy(model, args.dtype, args.device)
     optim = OptimConfig(lr=1e-6)
     optimizer = make_optimizer(model, optim)
     return timed(lambda k: train_step(model, optimizer, batch, ObjectiveConfig(), optim, k), args)
@@ -108,7 +120,10 @@ def timed(step, args: argparse.Namespace) -> list[tuple[float, float]]:  # type:
 
 def child(side: str, args: argparse.Namespace, queue: mp.Queue) -> None:
     torch.set_num_threads(args.threads)
-    times = molt_side(args) if side == "molt" else baseline_side(args)
+    if args.lora is not None:  # molt.train against itself: full fine-tuning (baseline) and LoRA (molt)
+        times = molt_side(args, args.lora if side == "molt" else None)
+    else:
+        times = molt_side(args) if side == "molt" else baseline_side(args)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda")
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     queue.put((times, peak))
@@ -142,6 +157,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (FSDP2 on a one-rank NCCL group)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF folder")
     parser.add_argument("--repeats", type=int, default=2, help="alternate the sides; keep each side's fastest step")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="LoRA (molt) against full (baseline)")
     args = parser.parse_args()
     tokens = args.rows * args.tokens
     steps: dict[str, list[tuple[float, float]]] = {"baseline": [], "molt": []}
@@ -152,13 +168,14 @@ def main() -> None:
             steps[side] += times
             peaks[side] = max(peaks[side], peak)
     best = {side: min(t[0] for t in times) for side, times in steps.items()}
+    label = {"baseline": "full", "molt": "lora"} if args.lora is not None else {side: side for side in steps}
     for side, times in steps.items():
         walls = sorted(t[0] for t in times)
-        print(f"{side:8s} {best[side]:7.2f} s/step (median {walls[len(walls) // 2]:.2f}, max {walls[-1]:.2f} "
+        print(f"{label[side]:8s} {best[side]:7.2f} s/step (median {walls[len(walls) // 2]:.2f}, max {walls[-1]:.2f} "
               f"of {len(walls)})  {tokens / best[side]:7.1f} tok/s  cpu {min(t[1] for t in times):6.2f} s/step  "
               f"peak {'GPU' if args.device.startswith('cuda') else 'RSS'} {peaks[side]:7.0f} MiB")
     ours, base = tokens / best["molt"], tokens / best["baseline"]
-    print(f"ratio train {ours / base:.2f} (molt {ours:.1f} tok/s / baseline {base:.1f} tok/s)")
+    print(f"ratio train {ours / base:.2f} ({label['molt']} {ours:.1f} tok/s / {label['baseline']} {base:.1f} tok/s)")
 
 
 if __name__ == "__main__":
