@@ -1,5 +1,6 @@
 """Trainer: packed logprobs and attention, split invariance, world size 1 vs 2, staleness, export, the RL loop."""
 
+import logging
 import json
 import os
 
@@ -270,7 +271,7 @@ def test_world_size_two_gives_the_same_update_as_world_size_one(tiny_chat_model,
     check_two_ranks_give_the_one_rank_update(tiny_chat_model, tmp_path)
 
 
-def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_schedule():
+def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_schedule(caplog):
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"vision_tower": torch.nn.Linear(3, 3),
                                                                "language_model": torch.nn.Linear(3, 3)})})
@@ -295,6 +296,12 @@ def test_lr_scale_gives_the_parameters_under_a_module_their_own_lr_on_the_same_s
         make_optimizer(model, OptimConfig(lr_scale={"vision_towr": 2.0}), "stages.train.config.optim")
     with pytest.raises(ValueError, match=r"lr_scale.vision_tower: .* or an earlier key took them"):
         make_optimizer(model, OptimConfig(lr_scale={"model": 2.0, "vision_tower": 0.5}))
+    towers["vision_tower"].requires_grad_(False)  # frozen (a tower under policy.lora): its key is ignored, said
+    with caplog.at_level(logging.WARNING, "molt.train.optim"):
+        frozen = make_optimizer(model, cfg, "stages.train.config.optim")
+    assert [len(group["params"]) for group in frozen.param_groups] == [2]
+    assert "stages.train.config.optim.lr_scale.model.vision_tower|visual: every parameter it takes is frozen (2 " \
+           "tensors" in caplog.text
 
 
 def test_a_stale_token_is_refused_naming_its_sample():

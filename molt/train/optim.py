@@ -21,17 +21,21 @@ when neither matches). The first matching key, in YAML order, takes a parameter.
 ``model.vision_tower.encoder.layers.0.mlp.fc1.weight`` (LLaVA's tower; its projector is
 ``multi_modal_projector``) and ``model.visual.blocks.0.mlp.linear_fc1.weight`` (Qwen-VL's
 ``visual``, which holds its projector, ``merger``, too) learn at 4e-6, the rest at 4e-5.
-The configured scales apply on resume too (a checkpoint's own are not kept).
+The configured scales apply on resume too (a checkpoint's own are not kept). A key whose
+parameters are all frozen (a vision tower under ``policy.lora``) is ignored, with a warning.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 
 class OptimConfig(BaseModel):
@@ -78,17 +82,21 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, where: str = "optim
     elementwise): one param group per ``lr_scale`` key, one for the rest, lrs set for step 0.
 
     Raises:
-        ValueError: a bad schedule, or an ``lr_scale`` key that takes no trainable
-            parameter (none matches, or an earlier key took them), named
-            ``{where}.lr_scale.KEY`` with the closest name components.
+        ValueError: a bad schedule, or an ``lr_scale`` key that takes no parameter (none
+            matches, or an earlier key took them), named ``{where}.lr_scale.KEY`` with the
+            closest name components.
     """
     lr_factor(cfg.warmup_steps, cfg)  # fail at setup, not mid-run, on a bad schedule
     groups: dict[str, list[torch.nn.Parameter]] = {key: [] for key in [*cfg.lr_scale, ""]}
     trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    for name, param in trainable:
+    for name, param in model.named_parameters():
         matches = (k for k in cfg.lr_scale if any(f".{run.strip()}." in f".{name}." for run in k.split("|")))
         groups[next(matches, "")].append(param)
     for key, params in groups.items():
+        if key and params and not any(p.requires_grad for p in params):
+            log.warning("%s.lr_scale.%s: every parameter it takes is frozen (%d tensors, e.g. by policy.lora): "
+                        "ignored", where, key, len(params))
+        groups[key] = [p for p in params if p.requires_grad]
         if key and not params:
             close = difflib.get_close_matches(key, sorted({part for n, _ in trainable for part in n.split(".")}))
             raise ValueError(f"{where}.lr_scale.{key}: takes no trainable parameter (none matches, or an earlier "
