@@ -435,3 +435,27 @@ def test_lora_on_a_vlm_adapts_the_language_model_only(tiny_vlm):
     model.add_lora(LoraConfig(rank=4, alpha=8))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}  # adapters, and the MoE's routers in full
     assert any(".lora_" in n for n in trained) and all(".language_model." in n for n in trained), sorted(trained)[:3]
+
+
+def test_an_engine_merges_a_vlm_adapter_into_the_weights_under_their_checkpoint_names(tiny_vlm):
+    """A LLaVA checkpoint stores the model's ``model.language_model.X`` as ``language_model.model.X``: the
+    engine's merge (molt.engines.refit.merged_checkpoint, CPU's default) finds each adapted weight under its
+    checkpoint name and gives the trainer's merged weights bit for bit."""
+    from molt.engines.refit import merged_checkpoint
+    from molt.policy import LoraConfig
+    from molt.train import full_state_dict, load_policy, shard_policy
+    from molt.train.lora import adapter_state
+
+    model = load_policy(tiny_vlm, 1.0)
+    model.add_lora(LoraConfig(rank=4, alpha=8))
+    model = shard_policy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.02)
+    adapter = adapter_state(model)
+    assert any(".language_model." in name for name in adapter)
+    merged, trainers = merged_checkpoint(tiny_vlm, adapter, 2.0), full_state_dict(model)
+    assert any(name.startswith("language_model.model.") for name in merged)
+    assert set(merged) == set(trainers) and all(torch.equal(merged[k], trainers[k]) for k in merged)

@@ -12,6 +12,7 @@ engine serves as that version (`Engine.load_adapter`); its digests are those of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -82,22 +83,43 @@ def merged_checkpoint(model_dir: str | Path, adapter: dict[str, torch.Tensor], s
                       ) -> dict[str, torch.Tensor]:
     """The model folder's weights, checkpoint-named, with a peft adapter (`read_adapter`'s tensors and
     scaling) merged into each weight it adapts (``X.weight`` += scaling * B @ A, molt.refit.merge_adapter):
-    a full refit.
+    a full refit. An adapter names the model's modules; where the checkpoint stores a weight under
+    another name (a LLaVA's ``model.language_model.X`` is its ``language_model.model.X``), `checkpoint_name`.
 
     Raises:
-        ValueError: an adapted module has no ``X.weight`` in the checkpoint (names that differ from
-            the modules', as some vision-language checkpoints have), naming it.
+        ValueError: an adapted module's weight is not in the checkpoint, naming it.
     """
     state = {name: tensor for shard in sorted(Path(model_dir).glob("*.safetensors")) for name, tensor in
              load_file(shard).items()}
     for name in (n for n in adapter if ".lora_A." in n):
-        module = name.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
-        if f"{module}.weight" not in state:
-            raise ValueError(f"cannot merge the adapter's {name}: the checkpoint of {model_dir} has no "
-                             f"{module}.weight; hint: serve adapters with an engine that takes them")
-        state[f"{module}.weight"] = merge_adapter(state[f"{module}.weight"], adapter[name],
-                                                  adapter[name.replace(".lora_A.", ".lora_B.")], scaling)
+        weight = f"{name.removeprefix(PEFT_PREFIX).split('.lora_A.')[0]}.weight"
+        weight = weight if weight in state else checkpoint_name(model_dir, weight)
+        if weight not in state:
+            raise ValueError(f"cannot merge the adapter's {name}: the checkpoint of {model_dir} has no {weight}; "
+                             "hint: serve adapters with an engine that takes them")
+        state[weight] = merge_adapter(state[weight], adapter[name], adapter[name.replace(".lora_A.", ".lora_B.")],
+                                      scaling)
     return state
+
+
+def checkpoint_name(model_dir: str | Path, name: str) -> str:
+    """The name under which ``model_dir``'s checkpoint stores its transformers model's parameter ``name``, as
+    ``save_pretrained`` writes it (transformers' ``revert_weight_conversion``, on the model built on the meta
+    device once per folder)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return next(iter(revert_weight_conversion(_meta_model(str(model_dir)), {name: torch.empty(0, device="meta")})))
+
+
+@functools.cache
+def _meta_model(model_dir: str) -> Any:  # a transformers PreTrainedModel
+    """``model_dir``'s transformers model on the meta device: its module names, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):  # a vision-language folder: as molt.multimodal.VisionProcessor.of tells one
+        return (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+                ).from_config(config)
 
 
 def file_digests(path: str) -> dict[str, str]:
