@@ -238,19 +238,27 @@ def test_a_lora_rl_loop_refits_verified_adapters_and_exports_the_adapter(tiny_ch
     torch.testing.assert_close(adapted, merged, atol=1e-5, rtol=0)
 
 
-def test_quickstart_lora_is_the_quickstart_with_adapters_and_a_tenfold_lr():
+@pytest.mark.parametrize("name, base", [("quickstart_lora", "quickstart"), ("moe_lora", "moe"),
+                                        ("vlm_moe_lora", "vlm_moe")])
+def test_a_lora_pipeline_is_its_base_with_adapters_frozen_routers_and_a_tenfold_lr(name, base):
     from molt.pipeline import Pipeline
 
-    quick, lora = (Pipeline.from_yaml(f"pipelines/{name}.yaml") for name in ("quickstart", "quickstart_lora"))
-    stages = lora.stages
+    full, lora = (Pipeline.from_yaml(f"pipelines/{n}.yaml") for n in (base, name))
+    stages, adapters = lora.stages, lora.stages["train"].config.lora
+    assert adapters is not None and adapters.rank == 16 and adapters.alpha == 32
     assert stages["train"].config.lora == stages["rollout"].config.engine.lora == \
-        stages["evaluate"].config.engine.lora == LoraConfig(rank=16, alpha=32), "trained and served"
-    quick_dict, lora_dict = quick.to_dict(), lora.to_dict()
-    train, lr = lora_dict["stages"]["train"]["config"], quick_dict["stages"]["train"]["config"]["optim"]["lr"]
-    assert lora_dict["policy"].pop("lora") == LoraConfig(rank=16, alpha=32).model_dump()
+        stages["evaluate"].config.engine.lora == adapters, "trained and served"
+    full_dict, lora_dict = full.to_dict(), lora.to_dict()
+    train, lr = lora_dict["stages"]["train"]["config"], full_dict["stages"]["train"]["config"]["optim"]["lr"]
+    assert lora_dict["policy"].pop("lora") == adapters.model_dump()
     assert train["optim"]["lr"] == 10 * lr
-    train["optim"]["lr"], lora_dict["name"] = lr, "quickstart"
-    assert lora_dict == quick_dict
+    train["optim"]["lr"], lora_dict["name"] = lr, base
+    if name != "quickstart_lora":  # a MoE: routers frozen, so every refit is the adapter alone
+        assert (train.pop("freeze_router"), train.pop("router_aux_loss_coef")) == (True, 0.0)
+        assert adapters.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"], "the experts are no linears"
+        base_train = full_dict["stages"]["train"]["config"]
+        base_train.pop("freeze_router", None), base_train.pop("router_aux_loss_coef")
+    assert lora_dict == full_dict
 
 
 def test_two_adapter_versions_live_at_once_on_vllm_each_token_carries_the_version_that_made_it(
