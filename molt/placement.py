@@ -37,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from collections.abc import Iterator
@@ -190,15 +191,17 @@ class Proc:
     log_path: Path
     # every descendant seen, by identity (pid and start time: psutil refuses to signal a pid reused since)
     descendants: dict[int, psutil.Process] = field(default_factory=dict)
+    started: float = 0.0  # time.time() just before the start: its session's processes started later
 
     @classmethod
     def start(cls, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
               cwd: str | None = None) -> Proc:
         """Start ``argv`` in its own session, output appended to ``log_path``."""
+        started = time.time() - 1.0  # psutil's create_time is exact to a clock tick
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                      start_new_session=True, preexec_fn=partial(start_child, cpus))
-        return cls(name, popen, log_path)
+        return cls(name, popen, log_path, started=started)
 
     def poll(self) -> int | None:
         """The exit code, or None while running (and note its descendants, to stop strays later)."""
@@ -216,8 +219,10 @@ class Proc:
             _signal_group(self.popen.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        """SIGKILL to its process group and to every descendant that left it and still runs as the
-        process seen (a pid that an unrelated process took since is left alone); waits (idempotent)."""
+        """SIGKILL to its process group, to every descendant that left it and still runs as the
+        process seen (a pid that an unrelated process took since is left alone), and to whatever still
+        runs in its session, seen or not (a vLLM engine core outliving its stage, killed by the OOM
+        killer, while the runner could not poll); waits (idempotent)."""
         self.poll()
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, signal.SIGKILL)
@@ -227,11 +232,11 @@ class Proc:
                 child.kill()  # psutil checks (pid, start time) first: NoSuchProcess for a reused pid
             except psutil.Error:
                 pass
+        kill_sessions({self.popen.pid: self.started})
 
     def stacks(self, log_lines: int = 40) -> str:
         """Its Molt processes' Python stacks, as text: ``py-spy dump`` where py-spy is on the PATH (any
         process, even a stopped one), else faulthandler's (the worker dumps on SIGUSR1 into its log)."""
-        import time
 
         spy, out = shutil.which("py-spy"), []
         for proc in [psutil.Process(self.popen.pid) if self.poll() is None else None, *self.descendants.values()]:
@@ -313,11 +318,17 @@ def janitor_main() -> None:
             return
         pid, started = line.split()
         sessions[int(pid)] = float(started)
-    for proc in psutil.process_iter(["create_time"]):  # molt run is gone without saying done
+    kill_sessions(sessions)  # molt run is gone without saying done
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+def kill_sessions(sessions: dict[int, float]) -> None:
+    """SIGKILL every process in one of ``sessions`` (the session id, its leader's pid -> the time it
+    started) that started after its leader did, whether the leader still runs or not."""
+    for proc in psutil.process_iter(["create_time"]):
         with contextlib.suppress(OSError, psutil.Error):
             if (leader := os.getsid(proc.pid)) in sessions and proc.info["create_time"] >= sessions[leader]:
                 proc.kill()
-    shutil.rmtree(sys.argv[1], ignore_errors=True)
 
 
 @dataclass

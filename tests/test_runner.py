@@ -1,5 +1,6 @@
 """The runner through real processes and sockets: drain, failures, Ctrl-C, groups, replay."""
 
+import contextlib
 import json
 import shutil
 import os
@@ -426,3 +427,27 @@ def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_con
     runner.procs = [FakeProc("source.0", 1), FakeProc("sink.0", 1)]
     (tmp_path / "status" / "boom.0.json").unlink()
     assert runner._root_cause()["stage"] == "source.0", "only consequences: the earliest"
+
+
+def test_stopping_a_stage_that_is_gone_kills_what_it_left_running_in_its_session(tmp_path):
+    """A stage killed outright (the OOM killer) leaves its vLLM engine core running in its session; a runner
+    that could not poll meanwhile never saw it as a descendant: stopping the stage still kills it."""
+    from molt.placement import Proc
+
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(p.pid, flush=True)")
+    proc = Proc.start("stage", [sys.executable, "-c", code], dict(os.environ), None, tmp_path / "log")
+    proc.popen.wait()  # the stage is gone, its child runs on, unseen by proc.poll
+    left = int((tmp_path / "log").read_text().split()[0])
+    assert psutil.pid_exists(left) and not proc.descendants
+    proc.kill()
+
+    def running() -> bool:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(left).status() != psutil.STATUS_ZOMBIE
+        return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running()
