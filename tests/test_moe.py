@@ -374,3 +374,38 @@ def test_a_qwen3_moe_trains_under_fsdp2_with_fp32_routers_load_metrics_and_the_a
     assert {"moe/aux_loss", "moe/load_max", "moe/expert_share/e3"} <= set(result.metrics)
     assert not torch.equal(before, experts.down_proj.full_tensor())
     assert stage.model.lm.model.layers[0].mlp.gate.weight.dtype == torch.float32
+
+
+def test_a_moe_checkpoint_is_a_model_folder_under_its_own_names_that_engines_load_and_resumes(tiny_moe_distinct,
+                                                                                                tmp_path):
+    """The trainer's fused experts (``mlp.experts.gate_up_proj``) are written as the folder's own per-expert
+    ``block_sparse_moe.experts.N.w1/w2/w3`` (molt.train.model.checkpoint_state), so vLLM, transformers and
+    `molt export` read a checkpoint as the model it started from; a resumed trainer reads them back fused."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from molt.train import full_state_dict, load_policy, shard_policy, train_step
+    from molt.train.optim import make_optimizer
+    from molt.train.state import load_train_state, save_train_state
+    from tests.test_train import OBJECTIVE, OPTIM, random_groups, step_batch
+
+    def policy():
+        model = shard_policy(load_policy(tiny_moe_distinct, 1.0))
+        return model, make_optimizer(model, OPTIM)
+
+    model, optimizer = policy()
+    batch = step_batch(random_groups())
+    train_step(model, optimizer, batch, OBJECTIVE, OPTIM, version=0)
+    save_train_state(tmp_path / "ckpt", model, optimizer, tiny_moe_distinct)
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as saved, \
+            safe_open(str(tiny_moe_distinct / "model.safetensors"), "pt") as started:
+        assert set(saved.keys()) == set(started.keys()) and any(".experts.3.w1." in k for k in saved.keys())
+        trained = full_state_dict(model)
+        assert all(torch.equal(saved.get_tensor(k), trained[k]) for k in saved.keys())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.lm.state_dict().items()), "transformers reads it back"
+    resumed, resumed_optimizer = policy()
+    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer)
+    losses = [train_step(m, o, batch, OBJECTIVE, OPTIM, version=1).loss
+              for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
+    assert losses[0] == losses[1], losses

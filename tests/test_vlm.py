@@ -425,14 +425,14 @@ def test_the_vlm_pipelines_load_and_the_gpu_recipe_shards_engines_and_trainer():
 
 
 def test_lora_on_a_vlm_adapts_the_language_model_only(tiny_vlm):
-    """The default targets' q/k/v_proj are also the CLIP tower's; adapters stay out of the tower and projector
+    """The attention targets' q/k/v_proj are also the CLIP tower's; adapters stay out of the tower and projector
     (vLLM's LoRA adapts the language model only: molt.train.lora.VISION_MODULES)."""
     from molt.policy import LoraConfig
     from molt.train import load_policy
 
     model = load_policy(tiny_vlm, 1.0)
     assert any("vision_tower" in n and n.endswith("q_proj.weight") for n, _ in model.named_parameters())
-    model.add_lora(LoraConfig(rank=4, alpha=8))
+    model.add_lora(LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}  # adapters, and the MoE's routers in full
     assert any(".lora_" in n for n in trained) and all(".language_model." in n for n in trained), sorted(trained)[:3]
 
@@ -447,7 +447,7 @@ def test_an_engine_merges_a_vlm_adapter_into_the_weights_under_their_checkpoint_
     from molt.train.lora import adapter_state
 
     model = load_policy(tiny_vlm, 1.0)
-    model.add_lora(LoraConfig(rank=4, alpha=8))
+    model.add_lora(LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     model = shard_policy(model)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -459,3 +459,36 @@ def test_an_engine_merges_a_vlm_adapter_into_the_weights_under_their_checkpoint_
     merged, trainers = merged_checkpoint(tiny_vlm, adapter, 2.0), full_state_dict(model)
     assert any(name.startswith("language_model.model.") for name in merged)
     assert set(merged) == set(trainers) and all(torch.equal(merged[k], trainers[k]) for k in merged)
+
+
+def test_a_vlm_checkpoint_is_a_model_folder_under_its_own_names_and_resumes_to_the_same_next_step(tiny_vlm, tmp_path):
+    """A LLaVA's checkpoint holds its folder's names (``language_model.model.X``, not the module's
+    ``model.language_model.X``), and a resumed trainer takes the next step exactly: parameters that never
+    had a gradient (the CLIP tower's last layer norm, whose output LLaVA does not read) have no AdamW state."""
+    from safetensors import safe_open
+
+    from molt.train import OptimConfig, load_policy, shard_policy, train_step
+    from molt.train.optim import make_optimizer
+    from molt.train.state import load_train_state, save_train_state
+    from molt.train.step import ObjectiveConfig
+
+    obj, optim = ObjectiveConfig.model_validate({"policy_loss": {"type": "sft"}}), OptimConfig(lr=1e-3)
+    batch = sft_batch(sft_rows(tiny_vlm, COLOURS))
+
+    def policy():
+        torch.manual_seed(0)
+        model = shard_policy(load_policy(tiny_vlm, temperature=1.0))
+        return model, make_optimizer(model, optim)
+
+    model, optimizer = policy()
+    train_step(model, optimizer, batch, obj, optim, version=0)
+    assert any(p.grad is None and p.requires_grad for p in model.parameters()), "a parameter without a gradient"
+    save_train_state(tmp_path / "ckpt", model, optimizer, tiny_vlm)
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as saved, \
+            safe_open(str(tiny_vlm / "model.safetensors"), "pt") as started:
+        assert set(saved.keys()) == set(started.keys())
+    resumed, resumed_optimizer = policy()
+    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer)
+    losses = [train_step(m, o, batch, obj, optim, version=1).loss for m, o in ((model, optimizer),
+                                                                              (resumed, resumed_optimizer))]
+    assert losses[0] == losses[1], losses

@@ -370,22 +370,25 @@ def export_names(model: PolicyModel) -> dict[str, str]:
 
 
 def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
-    """Full CPU state dict under the names and layout of the model's HF checkpoint; a collective:
-    every rank must call it.
-
-    Uses ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, so only
-    rank 0 gets tensors (other ranks get an empty dict), then transformers' own
-    ``revert_weight_conversion`` (what ``save_pretrained`` applies): e.g. a Mixtral's fused
-    ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the checkpoint's per-expert
-    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, the names engines load; tensors the
-    folder stores transposed go back to its layout (`checkpoint_layout`). A LoRA model's adapters
-    are merged into the weights they adapt (molt.train.lora.merge_lora).
-    """
+    """Full CPU state dict under the names and layout of the model's HF checkpoint (`checkpoint_state`);
+    a collective: every rank must call it. Uses ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)``, so only rank 0 gets tensors (other ranks get an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return checkpoint_state(model, cast(dict[str, Tensor], get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))))
+
+
+def checkpoint_state(model: PolicyModel, full: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``model``'s full state dict ``full`` (the wrapper's names) under the names and layout of its HF
+    checkpoint, as ``save_pretrained`` writes them: transformers' ``revert_weight_conversion`` (e.g. a
+    Mixtral's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the per-expert
+    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, a LLaVA's ``model.language_model.X`` its
+    ``language_model.model.X``: the names engines load), tensors the folder stores transposed back in its
+    layout (`checkpoint_layout`), a LoRA model's adapters merged into the weights they adapt
+    (molt.train.lora.merge_lora)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    full = cast(dict[str, Tensor], get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                                         cpu_offload=True)))
     if model.lora is not None:
         full = merge_lora(full, model.lora.scaling)
     names = export_names(model)

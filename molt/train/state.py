@@ -3,8 +3,9 @@
 In a checkpoint folder, for a train stage with id ``train``::
 
     train/                  a Hugging Face model folder: the model folder's config and
-                            tokenizer files + model.safetensors (HF names, tied
-                            embeddings stored once), loadable by an engine as is
+                            tokenizer files + model.safetensors (the names and layout of
+                            the folder's own checkpoint, tied embeddings stored once),
+                            loadable by an engine as is
     train/optimizer.pt      the full AdamW state keyed by parameter name (torch.save)
     train/adapter/          a LoRA run's adapter alone, in peft's format (molt.train.lora; model.safetensors
                             holds the weights merged)
@@ -28,11 +29,10 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from molt.train.lora import load_adapter, merge_lora, save_adapter
-from molt.train.model import PolicyModel, export_names, full_state_dict
+from molt.train.lora import load_adapter, save_adapter
+from molt.train.model import PolicyModel, checkpoint_state, full_state_dict
 
 
 def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
@@ -53,10 +53,7 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     os.replace(folder / f".rng.rank{rank}.tmp", folder / f"rng.rank{rank}.pt")
     if rank == 0:
         _copy_model_files(model_dir, folder)
-        names = export_names(model)
-        merged = merge_lora(model_state, model.lora.scaling) if model.lora else model_state
-        weights = {names[k]: v.contiguous() for k, v in merged.items() if k in names}
-        save_file(weights, str(folder / ".model.tmp"), metadata={"format": "pt"})
+        save_file(checkpoint_state(model, model_state), str(folder / ".model.tmp"), metadata={"format": "pt"})
         os.replace(folder / ".model.tmp", folder / "model.safetensors")
         if model.lora:
             shutil.rmtree(folder / ".adapter.tmp", ignore_errors=True)
@@ -119,15 +116,15 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     if rank == 0:
-        model_state = load_adapter(folder / "adapter", model) if model.lora else \
-            _model_state(folder / "model.safetensors", model)
+        model_state = load_adapter(folder / "adapter", model, model.lora) if model.lora else \
+            _model_state(folder, model)
         optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
     # Two calls, not set_state_dict: given an empty model dict (ranks > 0) it would skip the
     # model's broadcast that rank 0 joins.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not model.lora)
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(  # not strict: a parameter
+        full_state_dict=True, broadcast_from_rank0=True, strict=False))  # that never had a gradient has no state
     rng_path = folder / f"rng.rank{rank}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved
         rng = torch.load(rng_path, weights_only=True)
@@ -136,16 +133,17 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _model_state(path: Path, model: PolicyModel) -> dict[str, torch.Tensor]:
-    """The wrapper-named state dict of an HF-named safetensors file (tied head re-added)."""
-    hf_to_fqn = {hf: fqn for fqn, hf in export_names(model).items()}
-    with safe_open(str(path), framework="pt") as handle:
-        names = set(handle.keys())
-        if names != set(hf_to_fqn):
-            diff = sorted(names ^ set(hf_to_fqn))
-            raise ValueError(f"checkpoint {path}: tensor names differ from the model's, e.g. {diff[:3]}; "
-                             "hint: resume with the model the run was started with")
-        state = {hf_to_fqn[n]: handle.get_tensor(n) for n in names}
-    if "lm.lm_head.weight" in model.state_dict() and "lm.lm_head.weight" not in state:  # tied embeddings
-        state["lm.lm_head.weight"] = next(v for k, v in state.items() if k.endswith(".embed_tokens.weight"))
-    return state
+def _model_state(folder: Path, model: PolicyModel) -> dict[str, torch.Tensor]:
+    """The wrapper-named state dict of the checkpoint's model folder, read by transformers as it loads
+    the model: what `checkpoint_state` converted is converted back (a MoE's experts fused again, renames).
+
+    Raises:
+        ValueError: the folder's tensors are not the model's, naming some.
+    """
+    lm, info = type(model.lm).from_pretrained(  # type: ignore[attr-defined]
+        str(folder), dtype=torch.float32, output_loading_info=True)
+    wrong = sorted({*info["missing_keys"], *info["unexpected_keys"], *(str(m[0]) for m in info["mismatched_keys"])})
+    if wrong:
+        raise ValueError(f"checkpoint {folder / 'model.safetensors'}: tensor names or shapes differ from the model's, "
+                         f"e.g. {wrong[:3]}; hint: resume with the model the run was started with")
+    return {f"lm.{name}": tensor for name, tensor in lm.state_dict().items()}
