@@ -17,7 +17,8 @@ Ends with ``ratio train R (molt X tok/s / baseline Y tok/s)``.
 
 ``--lora RANK``: the baseline is molt.train training the whole policy, the other side trains
 LoRA adapters of that rank (alpha 2 x rank, every attention and MLP linear: molt.train.lora) on the
-frozen policy, its routers frozen too for a MoE (``--model smollm2-135m-instruct-moe``): the
+frozen policy; of a MoE (``--model smollm2-135m-instruct-moe``), as pipelines/moe_lora.yaml, the
+attention's linears, routers frozen: the
 trade-off of ``policy.lora``, peak RSS and s/step against full fine-tuning; ratio is lora / full.
 """
 
@@ -68,9 +69,11 @@ def molt_side(args: argparse.Namespace, lora: int | None = None) -> list[tuple[f
     batch = pack.place([batch_from_rows(rows, schema)])
     model = load_policy(resolve_model(args.model), TEMPERATURE)
     if lora is not None:
-        if routers(model.lm):  # routers trained in full would make every refit a merged one
+        config = LoraConfig(rank=lora, alpha=2 * lora)
+        if routers(model.lm):  # as pipelines/moe_lora.yaml: routers frozen (trained, every refit would be merged)
             freeze_routers(model.lm, "--lora")
-        model.add_lora(LoraConfig(rank=lora, alpha=2 * lora))
+            config.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the experts are no linears
+        model.add_lora(config)
     model = shard_policy(model, args.dtype, args.device)
     optim = OptimConfig(lr=1e-6)
     optimizer = make_optimizer(model, optim)

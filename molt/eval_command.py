@@ -181,9 +181,10 @@ def eval_report(target: str, version: int | None = None, task_options: Sequence[
     tasks = {name: t.model_copy(update={k: v for k, v in given.items() if v is not None} | ({"task": t.task.model_copy(
         update={"num_problems": min(num_problems, t.task.num_problems or num_problems)})} if num_problems else {}))
         for name, t in tasks.items()}
-    # the evaluation the tasks came from: its engine (sizes, precision), policy temperature and tool-call format
+    # the evaluation the tasks came from: its engine (sizes, precision; a checkpoint holds merged weights, not an
+    # adapter), policy temperature and tool-call format
     sources = [pipe for _, pipe in parsed if pipe is not None] or ([run] if run is not None and not parsed else [])
-    stated: dict[str, Any] = next((engine.model_dump(exclude={"transport", "record_routing"})
+    stated: dict[str, Any] = next((engine.model_dump(exclude={"transport", "record_routing", "lora", "serve_adapters"})
                                    for p in sources for _, _, engine in evaluation_stages(p)), {})
     stated = stated or ({"dtype": run.spec.policy.precision} if run is not None else {})
     engine = EngineConfig.model_validate({**stated, **({"type": engine_type} if engine_type else {})})

@@ -62,7 +62,7 @@ class LoraConfig(BaseModel):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="linear modules by name suffix (peft's matching), e.g. [q_proj, v_proj]; "
-        "a MoE's fused experts are parameters, not linears: they stay frozen")
+        "each must match a linear: a MoE's fused experts are parameters, not linears (name the attention's)")
 
     @property
     def scaling(self) -> float:

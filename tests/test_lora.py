@@ -86,9 +86,12 @@ def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_ste
     for (name, p), q in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
 
-    other, other_optimizer = lora_policy(tiny_chat_model, LORA.model_copy(update={"rank": 8}))
-    with pytest.raises(ValueError, match=r"tensors differ .* names or shapes, e.g. .*lora_A.weight.* hint: resume"):
-        load_train_state(tmp_path / "train", other, other_optimizer)
+    for change, refused in (({"rank": 8}, r"adapter has lora rank 4 \(now 8\); hint: resume with the lora"),
+                            ({"alpha": 16, "dropout": 0.1}, r"lora alpha 8 \(now 16\), dropout 0.0 \(now 0.1\)"),
+                            ({"target_modules": ["q_proj"]}, r"tensors differ .* names or shapes, e.g. .*v_proj")):
+        other, other_optimizer = lora_policy(tiny_chat_model, LORA.model_copy(update=change))
+        with pytest.raises(ValueError, match=refused):
+            load_train_state(tmp_path / "train", other, other_optimizer)
 
 
 def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_moe):
@@ -103,6 +106,10 @@ def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_
         apply(tiny_chat_model, ["lm_head", "q_proj"])
     with pytest.raises(ValueError, match=r"lora.target_modules: model.layers.0.mlp.gate is a router"):
         apply(tiny_moe, ["gate", "q_proj"])
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['v_prj'\] match no linear layer of the model"):
+        apply(tiny_chat_model, ["q_proj", "v_prj"])  # peft refuses only targets that all match nothing
+    with pytest.raises(ValueError, match=r"\['gate_proj', 'up_proj', 'down_proj'\] match no linear .*\(a MoE's experts"):
+        apply(tiny_moe, LoraConfig().target_modules)  # the default targets: the experts are fused parameters
 
 
 def moe_lora_policy(model_dir, freeze_router):

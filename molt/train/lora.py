@@ -48,10 +48,16 @@ def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
     router_ids = {id(router) for router in routers(lm)}
     router_params = {id(p) for router in routers(lm) for p in router.parameters() if p.requires_grad}
     output_head = lm.get_output_embeddings()  # type: ignore[operator]
+    vision = hasattr(lm.config, "vision_config")
     try:
-        inject_adapter_in_model(peft_config(config), lm, adapter_name=ADAPTER)
+        inject_adapter_in_model(peft_config(config, vision=vision), lm, adapter_name=ADAPTER)
     except ValueError as err:
         raise ValueError(f"{where}.target_modules: {err}") from err
+    adapted = [name for name, module in lm.named_modules() if isinstance(module, LoraLayer)]
+    if idle := [t for t in config.target_modules if not any(n == t or n.endswith(f".{t}") for n in adapted)]:
+        raise ValueError(f"{where}.target_modules: {idle} match no linear layer of the {'language ' * vision}model"
+                         " (a MoE's experts are fused parameters, not linears); hint: e.g. [q_proj, k_proj, v_proj, "
+                         "o_proj]")
     for name, module in lm.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         head = base is not None and base is output_head  # vLLM's LoRA there breaks the refit probe (engines.vllm_lora)
@@ -63,13 +69,14 @@ def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
         param.requires_grad_(is_adapter(name) or id(param) in router_params)
 
 
-def peft_config(config: LoraConfig, base: str | None = None):  # -> peft.LoraConfig
-    """peft's LoraConfig for ``config`` (``base``: the model folder, written as base_model_name_or_path)."""
+def peft_config(config: LoraConfig, base: str | None = None, vision: bool = False):  # -> peft.LoraConfig
+    """peft's LoraConfig for ``config`` (``base``: the model folder, written as base_model_name_or_path;
+    ``vision``: a VLM's tower and projector excluded, whose q/k/v_proj a CLIP tower has too)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
-                          target_modules=list(config.target_modules), exclude_modules=VISION_MODULES,  # a VLM's
-                          base_model_name_or_path=base)  # tower and projector: a CLIP tower's q/k/v_proj too
+                          target_modules=list(config.target_modules), base_model_name_or_path=base,
+                          exclude_modules=VISION_MODULES if vision else None)
 
 
 def is_adapter(name: str) -> bool:
@@ -107,12 +114,15 @@ def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {_peft_name(k): v.contiguous() for k, v in state.items() if k in trained}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
-    write_adapter_config(folder, lora, base, sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}))
+    write_adapter_config(folder, lora, base, sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}),
+                         getattr(model, "vision", None) is not None)
 
 
-def write_adapter_config(folder: Path, lora: LoraConfig, base: str | None, modules_to_save: list[str] | None = None) -> None:
-    """``folder/adapter_config.json``: peft's LoraConfig of ``lora`` (base_model_name_or_path ``base``)."""
-    config = peft_config(lora, base)
+def write_adapter_config(folder: Path, lora: LoraConfig, base: str | None, modules_to_save: list[str] | None = None,
+                         vision: bool = False) -> None:
+    """``folder/adapter_config.json``: peft's LoraConfig of ``lora`` (base_model_name_or_path ``base``;
+    ``vision``: of a VLM, `peft_config`)."""
+    config = peft_config(lora, base, vision)
     config.modules_to_save = modules_to_save or None  # peft: None, not []
     (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list, indent=2))
 
@@ -132,16 +142,23 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
             for name, p in model.named_parameters() if is_adapter(name)}
 
 
-def load_adapter(folder: Path, model: nn.Module) -> dict[str, Tensor]:
-    """The tensors `save_adapter` wrote, under ``model``'s parameter names.
+def load_adapter(folder: Path, model: nn.Module, lora: LoraConfig) -> dict[str, Tensor]:
+    """The tensors `save_adapter` wrote, under ``model``'s parameter names (adapters of ``lora``).
 
     Raises:
-        ValueError: the file is missing, or its tensors differ from ``model``'s trained ones.
+        ValueError: a file is missing, the adapter's rank, alpha or dropout is not ``lora``'s, or its
+            tensors differ from ``model``'s trained ones.
     """
     path = folder / ADAPTER_FILE
-    if not path.is_file():
-        raise ValueError(f"checkpoint {folder}: no {ADAPTER_FILE}; hint: the run trained without "
-                         "lora, or the checkpoint is incomplete")
+    if not path.is_file() or not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"checkpoint {folder}: no {ADAPTER_FILE} or adapter_config.json; hint: the run trained "
+                         "without lora, or the checkpoint is incomplete")
+    saved_config = json.loads((folder / "adapter_config.json").read_text())
+    if differ := [f"{key} {saved_config.get(peft)} (now {value})" for key, peft, value in (
+            ("rank", "r", lora.rank), ("alpha", "lora_alpha", lora.alpha), ("dropout", "lora_dropout", lora.dropout))
+            if saved_config.get(peft) != value]:
+        raise ValueError(f"checkpoint {folder}: its adapter has lora {', '.join(differ)}; hint: resume with the "
+                         "lora settings the run was started with")
     state = model.state_dict()
     own = {_peft_name(k): (k, tuple(state[k].shape)) for k in trained_names(model)}
     with safe_open(str(path), framework="pt") as handle:

@@ -100,7 +100,7 @@ class Publisher:
             assert self.folder is not None, "rank 0 of shm has a folder"
             if self.model.lora is not None and self.adapters:
                 path = self.folder / f"policy_v{version}"
-                record = publish_adapter(state, path, version, self._probe, self.model.lora)
+                record = publish_adapter(state, path, version, self._probe, self.model.lora, self.model.vision is not None)
             else:
                 path = self.folder / f"policy_v{version}.safetensors"
                 record = publish_weights(state, path, version, self._probe)
@@ -180,14 +180,14 @@ def policy_probe(model: PolicyModel, token_ids: list[int], atol: float | None = 
 
 
 def publish_adapter(state: dict[str, torch.Tensor], folder: Path, version: int,
-                    probe: Callable[[], Probe | None], lora: LoraConfig) -> dict[str, Any]:
+                    probe: Callable[[], Probe | None], lora: LoraConfig, vision: bool = False) -> dict[str, Any]:
     """Write the adapters ``state`` (molt.train.lora.adapter_state) as a peft folder ``folder`` atomically
     (``.tmp``, then a rename) and return its `weight_record`: format "peft", uri the folder."""
     tmp = folder.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     record = publish_weights(state, tmp / ADAPTER_FILE, version, probe)
-    write_adapter_config(tmp, lora, None)
+    write_adapter_config(tmp, lora, None, vision=vision)
     os.replace(tmp, folder)
     return {**record, "uri": f"file://{folder}", "format": "peft"}
 
