@@ -237,7 +237,6 @@ class Proc:
     def stacks(self, log_lines: int = 40) -> str:
         """Its Molt processes' Python stacks, as text: ``py-spy dump`` where py-spy is on the PATH (any
         process, even a stopped one), else faulthandler's (the worker dumps on SIGUSR1 into its log)."""
-
         spy, out = shutil.which("py-spy"), []
         for proc in [psutil.Process(self.popen.pid) if self.poll() is None else None, *self.descendants.values()]:
             with contextlib.suppress(psutil.Error, OSError, subprocess.SubprocessError):
