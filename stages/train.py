@@ -172,7 +172,7 @@ class Train(Service):
     def load_checkpoint(self, folder: Path) -> None:
         state = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]
         self.version, self.lag_sum, self.lag_tokens = state["version"], state["lag_sum"], state["lag_tokens"]
-        load_train_state(folder / self.ctx.stage_id, self.model, self.optimizer)
+        load_train_state(folder / self.ctx.stage_id, self.model, self.optimizer, self.model_dir)
         self.resumed = True
         self.log.info("resumed at version %d from %s", self.version, folder)
 

@@ -58,7 +58,7 @@ def test_only_the_adapters_train_and_the_merged_weights_are_the_adapted_model(ti
     torch.testing.assert_close(logprobs(plain), logprobs(model), atol=2e-6, rtol=0)
 
 
-def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_step(tiny_chat_model, tmp_path):
+def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_step(tiny_chat_model, tmp_path, caplog):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +79,7 @@ def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_ste
     torch.testing.assert_close(merged, ours, atol=1e-5, rtol=0)
 
     resumed, resumed_optimizer = lora_policy(tiny_chat_model)
-    load_train_state(tmp_path / "train", resumed, resumed_optimizer)
+    load_train_state(tmp_path / "train", resumed, resumed_optimizer, tiny_chat_model)
     one = train_step(model, optimizer, batches[1], OBJECTIVE, OPTIM, version=1)
     two = train_step(resumed, resumed_optimizer, batches[1], OBJECTIVE, OPTIM, version=1)
     assert two.loss == one.loss
@@ -91,7 +91,9 @@ def test_a_lora_checkpoint_holds_a_peft_adapter_and_resumes_to_the_same_next_ste
                             ({"target_modules": ["q_proj"]}, r"tensors differ .* names or shapes, e.g. .*v_proj")):
         other, other_optimizer = lora_policy(tiny_chat_model, LORA.model_copy(update=change))
         with pytest.raises(ValueError, match=refused):
-            load_train_state(tmp_path / "train", other, other_optimizer)
+            load_train_state(tmp_path / "train", other, other_optimizer, tiny_chat_model)
+    load_train_state(tmp_path / "train", resumed, resumed_optimizer, tmp_path / "elsewhere")
+    assert f"its adapter was trained on {tiny_chat_model}; policy.model is {tmp_path / 'elsewhere'}" in caplog.text
 
 
 def test_lora_refuses_what_it_cannot_adapt_naming_the_key(tiny_chat_model, tiny_moe):
@@ -136,7 +138,7 @@ def test_a_moe_under_lora_trains_its_routers_in_full_unless_frozen(tiny_moe, tmp
     save_train_state(tmp_path / "train", model, optimizer, tiny_moe)
     config_file = json.loads((tmp_path / "train" / "adapter" / "adapter_config.json").read_text())
     assert config_file["modules_to_save"] == (None if freeze_router else ["gate"])
-    load_train_state(tmp_path / "train", model, optimizer)
+    load_train_state(tmp_path / "train", model, optimizer, tiny_moe)
 
 
 def publish(model, tmp_path, version=1):
@@ -188,23 +190,28 @@ def test_an_adapter_refit_ships_the_adapter_alone_and_engines_verify_it_served_o
     assert not os.path.exists(folder), "keep_versions 2: version 3's adapter removed version 1's"
 
 
-def test_vllm_serves_only_the_targets_and_an_engine_that_cannot_serve_adapters_starts_without(caplog):
-    from molt.engines.vllm_lora import start_engine
+def test_vllm_serves_only_the_targets_and_an_engine_whose_model_class_has_no_lora_merges(tiny_chat_model, tmp_path,
+                                                                                        caplog):
+    from vllm.platforms import current_platform
 
-    calls = []
+    from molt.engines.config import EngineConfig
+    from molt.engines.vllm_lora import engine_kwargs, served_adapters
 
-    def start(**lora_args):  # vLLM's start: it fails with LoRA, as for a model class its LoRA does not cover
-        calls.append(lora_args)
-        if lora_args:
-            raise RuntimeError("Engine core initialization failed. See root cause above.")
-        return "engine"
+    cpu = current_platform.is_cpu()
 
-    assert start_engine(start, LORA, 2, "m") == ("engine", None), "no adapters served: each refit is merged"
-    assert calls == [{"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 3,
-                      "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}, {}]
-    assert "vLLM could not start serving LoRA adapters for m" in caplog.text
+    assert engine_kwargs(LORA, 2) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 3,
+                                      "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}
     with pytest.raises(ValueError, match="lora.rank: vLLM serves adapters up to rank 512; got 600"):
-        start_engine(start, LoraConfig(rank=600), 2, "m")
+        engine_kwargs(LoraConfig(rank=600), 2)
+    served = EngineConfig(lora=LORA, serve_adapters=True)
+    assert served_adapters(served, str(tiny_chat_model), "e") == LORA, "vLLM's Llama serves adapters"
+    assert served_adapters(EngineConfig(lora=LORA, serve_adapters=False), str(tiny_chat_model), "e") is None
+    assert served_adapters(EngineConfig(lora=LORA), str(tiny_chat_model), "e") == (None if cpu else LORA)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert served_adapters(served, str(tmp_path), "stages.rollout.config.engine") is None, "GPT-2: no LoRA in vLLM"
+    assert "stages.rollout.config.engine: vLLM's class for" in caplog.text
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NotInVLLM"]}))
+    assert served_adapters(served, str(tmp_path), "e") == LORA, "vLLM's Transformers backend, which serves adapters"
 
 
 def test_routers_trained_in_full_make_refits_merged(tiny_moe, tmp_path, caplog):

@@ -302,7 +302,7 @@ def _ep_rank_main(rank, model_dir, batch_bytes, out_dir, init_file, replay):
             save_train_state(Path(out_dir) / "ckpt", model, optimizer, Path(model_dir))
             resumed = shard_policy(load_policy(model_dir, 0.8, chunk_tokens=5), expert_parallel_size=ep)
             resumed_optimizer = make_optimizer(resumed, OPTIM)
-            load_train_state(Path(out_dir) / "ckpt", resumed, resumed_optimizer)
+            load_train_state(Path(out_dir) / "ckpt", resumed, resumed_optimizer, Path(model_dir))
             third = [train_step(m, o, batch, objective, OPTIM, version=2).loss
                      for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
             assert third[0] == third[1], third
@@ -405,7 +405,7 @@ def test_a_moe_checkpoint_is_a_model_folder_under_its_own_names_that_engines_loa
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in model.lm.state_dict().items()), "transformers reads it back"
     resumed, resumed_optimizer = policy()
-    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer)
+    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer, tiny_moe_distinct)
     losses = [train_step(m, o, batch, OBJECTIVE, OPTIM, version=1).loss
               for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
     assert losses[0] == losses[1], losses

@@ -426,7 +426,7 @@ def test_the_vlm_pipelines_load_and_the_gpu_recipe_shards_engines_and_trainer():
 
 def test_lora_on_a_vlm_adapts_the_language_model_only(tiny_vlm):
     """The attention targets' q/k/v_proj are also the CLIP tower's; adapters stay out of the tower and projector
-    (vLLM's LoRA adapts the language model only: molt.train.lora.VISION_MODULES)."""
+    (vLLM's LoRA adapts the language model only: molt.train.lora.outside_language_model, found by structure)."""
     from molt.policy import LoraConfig
     from molt.train import load_policy
 
@@ -488,7 +488,7 @@ def test_a_vlm_checkpoint_is_a_model_folder_under_its_own_names_and_resumes_to_t
             safe_open(str(tiny_vlm / "model.safetensors"), "pt") as started:
         assert set(saved.keys()) == set(started.keys())
     resumed, resumed_optimizer = policy()
-    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer)
+    load_train_state(tmp_path / "ckpt", resumed, resumed_optimizer, tiny_vlm)
     losses = [train_step(m, o, batch, obj, optim, version=1).loss for m, o in ((model, optimizer),
                                                                               (resumed, resumed_optimizer))]
     assert losses[0] == losses[1], losses

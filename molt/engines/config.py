@@ -65,16 +65,11 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
     """
     check_transport(config.transport, f"{where}.transport")
     if config.type == "vllm":
-        from vllm.platforms import current_platform
-
         from molt.engines.vllm import VLLMEngine
+        from molt.engines.vllm_lora import served_adapters
         from molt.engines.vllm_plugin import check_serves
 
         check_serves(model_dir, f"{where}.type")
-        serve = config.serve_adapters if config.serve_adapters is not None else not current_platform.is_cpu()
-        if config.lora is not None and not serve:
-            logger.info("%s: each LoRA adapter refit is merged into the weights (serve_adapters)", where)
-
         transfer = None
         if (backend := engine_backend(config.transport, f"{where}.transport")) is not None:
             from molt.engines.nccl_transfer import TransferReceiver, WeightTransfer
@@ -84,7 +79,7 @@ def make_engine(config: EngineConfig, model_dir: str, where: str = "engine", rep
         return VLLMEngine(model_dir, dtype=config.dtype, seed=seed % 2**32, max_model_len=config.max_model_len,
                           kv_cache_gib=config.kv_cache_gib, max_num_seqs=config.max_num_seqs,
                           record_routing=config.record_routing, weight_transfer=transfer,
-                          lora=config.lora if serve else None,
+                          lora=served_adapters(config, model_dir, where),
                           max_loras=live_versions,
                           engine_kwargs={**({} if config.block_size is None else {"block_size": config.block_size}),
                                          **({"tensor_parallel_size": config.tensor_parallel_size}

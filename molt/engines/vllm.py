@@ -53,7 +53,7 @@ from safetensors import safe_open
 from molt.engines.base import (Completion, Engine, EngineDeadError as MoltEngineDead, FinishReason, SamplingParams,
                                check_prompt)
 from molt.engines.refit import check_weights_file, file_digests
-from molt.engines.vllm_lora import load_merged, start_engine
+from molt.engines.vllm_lora import Adapters, engine_kwargs as lora_engine_kwargs, load_merged
 from molt.engines.vllm_routing import routed_experts, same_result
 from molt.models.layout import checkpoint_shapes
 from molt.multimodal import VisionProcessor, decode_images
@@ -100,7 +100,7 @@ class VLLMEngine(Engine):
         weight_transfer: take refits over vLLM's weight-transfer API (`receive_weights`);
             None: from files only (`load_weights`).
         lora: the policy's adapters (molt.policy.LoraConfig): serve one per live version,
-            ``max_loras`` at once (molt.engines.vllm_lora); None: full weights only.
+            ``max_loras`` at once (molt.engines.vllm_lora); None: full weights, adapters merged into them.
         engine_kwargs: further `AsyncEngineArgs` fields, passed through.
     """
 
@@ -129,18 +129,18 @@ class VLLMEngine(Engine):
         self._transfer = weight_transfer
         if weight_transfer is not None:
             engine_kwargs = {**(engine_kwargs or {}), "weight_transfer_config": {"backend": weight_transfer.backend}}
-        args = functools.partial(
-            AsyncEngineArgs, model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
+        if lora is not None:
+            engine_kwargs = {**(engine_kwargs or {}), **lora_engine_kwargs(lora, max_loras)}
+        start = time.perf_counter()
+        self._llm: AsyncLLM | None = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model, dtype=cast(Any, dtype), seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
             logprobs_mode="processed_logprobs",
             worker_extension_cls=weight_transfer.worker_extension if weight_transfer else WORKER_EXTENSION,
             generation_config="vllm",  # ignore the model's sampling defaults
-            disable_log_stats=True, **(engine_kwargs or {}))
-        start = time.perf_counter()
-        self._llm: AsyncLLM | None
-        self._llm, self._adapters = start_engine(lambda **lora_args: AsyncLLM.from_engine_args(args(**lora_args)),
-                                                 lora, max_loras, model)
+            disable_log_stats=True, **(engine_kwargs or {})))
+        self._adapters = Adapters() if lora is not None else None
         self.start_seconds = time.perf_counter() - start
         logger.info("vLLM engine for %s (%s) started in %.1f s", model, dtype, self.start_seconds)
         self._initial_version = policy_version

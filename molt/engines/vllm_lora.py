@@ -12,7 +12,7 @@ unloaded (`Adapters.retire`). Under a staleness bound s the requests in flight s
 versions (the trainer takes no older token), so ``max_loras = s + 1`` adapter slots let every live
 version decode together; vLLM holds back a request whose adapter finds no free slot.
 
-Where vLLM cannot serve the policy's adapters (it refuses to start with LoRA for the model), the
+Where vLLM cannot serve the policy's adapters (its model class has no LoRA support: `served_adapters`), the
 engine merges each adapter into the base weights it started from and loads them as a full refit
 (molt.engines.refit.merged_checkpoint), with a warning: the "merge fallback", verified alike.
 """
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from molt.engines.config import EngineConfig
     from molt.policy import LoraConfig
 
 logger = logging.getLogger(__name__)
@@ -56,20 +57,33 @@ def engine_kwargs(lora: LoraConfig, max_loras: int) -> dict[str, Any]:
             "lora_target_modules": list(lora.target_modules)}
 
 
-def start_engine(start: Callable[..., AsyncLLM], lora: LoraConfig | None, max_loras: int,
-                 model: str) -> tuple[AsyncLLM, Adapters | None]:
-    """``start(**vllm_lora_args)`` vLLM, serving adapters of ``lora`` (None: none), and its `Adapters`; if vLLM
-    cannot start serving them for ``model`` (its start fails with a generic error, the cause in its log),
-    started again without, with a warning: the merge fallback (module docstring)."""
-    if lora is None:
-        return start(), None
-    lora_args = engine_kwargs(lora, max_loras)
-    try:
-        return start(**lora_args), Adapters()
-    except Exception as error:  # noqa: BLE001 - whatever vLLM raised, it is reported, and a second failure raises
-        logger.warning("vLLM could not start serving LoRA adapters for %s (%s); each adapter refit is merged into "
-                       "the base weights here (molt.engines.vllm_lora)", model, error)
-        return start(), None
+def served_adapters(config: EngineConfig, model_dir: str, where: str) -> LoraConfig | None:
+    """The adapters a vLLM engine of ``config`` (YAML key ``where``) on ``model_dir`` serves: ``config.lora``
+    where ``serve_adapters`` says so (None: on GPUs) and refits arrive as files (a LoRA trainer streams merged
+    weights, molt.train.publish), unless vLLM's own class for the model (the first of config.json's
+    ``architectures`` vLLM registers; its Transformers backend, which serves any other, supports LoRA) does not
+    support LoRA; otherwise None: each adapter refit is merged into the weights (the merge fallback)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+
+    from molt.engines.vllm_plugin import architectures
+
+    serve = config.serve_adapters if config.serve_adapters is not None else not current_platform.is_cpu()
+    if config.lora is None or not serve or config.transport.type != "shm":
+        if config.lora is not None:
+            logger.log(logging.WARNING if config.serve_adapters else logging.INFO, "%s: each LoRA adapter refit "
+                       "is loaded as full weights (serve_adapters %s, transport %s)", where, config.serve_adapters,
+                       config.transport.type)
+        return None
+    load_general_plugins()  # as vLLM does before it imports a model class (molt.engines.vllm_plugin: LLaVA's)
+    known = [ModelRegistry.models[a] for a in architectures(model_dir) if a in ModelRegistry.models]
+    if known and not supports_lora(known[0].load_model_cls()):
+        logger.warning("%s: vLLM's class for %s serves no LoRA adapters; each adapter refit is merged into the "
+                       "weights (the merge fallback, molt.engines.vllm_lora)", where, model_dir)
+        return None
+    return config.lora
 
 
 async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model_dir: Path, folder: str,

@@ -41,11 +41,15 @@ def check_serves(model_dir: str, where: str) -> None:
     """
     if importlib.util.find_spec("torchvision") is not None:
         return
-    path = Path(model_dir) / "config.json"
-    architectures = json.loads(path.read_text()).get("architectures") or [] if path.is_file() else []
-    blocked = [a for a in architectures if a.startswith(_NEEDS_TORCHVISION)]
+    blocked = [a for a in architectures(model_dir) if a.startswith(_NEEDS_TORCHVISION)]
     if blocked:
         raise ValueError(f"{where}: vLLM cannot serve {blocked[0]} without torchvision (its processor imports "
                          "transformers' torchvision-only image and video processors); got type 'vllm'; hint: "
                          "engine: {type: transformers} (exact, slower) on CPU, or vLLM's CUDA build with its "
                          "torchvision on GPUs")
+
+
+def architectures(model_dir: str) -> list[str]:
+    """The model classes config.json of ``model_dir`` names (``architectures``; [] without one)."""
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("architectures") or [] if path.is_file() else []

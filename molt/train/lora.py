@@ -19,6 +19,8 @@ a resumed trainer reloads its base from ``policy.model`` and the adapter from th
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 from safetensors import safe_open
@@ -29,8 +31,8 @@ from molt.policy import LoraConfig
 from molt.refit import ADAPTER_FILE, PEFT_PREFIX, merge_adapter
 from molt.train.moe import routers
 
+logger = logging.getLogger(__name__)
 ADAPTER = "default"  # peft's adapter name inside the model
-VISION_MODULES = r".*\.(vision_tower|multi_modal_projector|visual)\..*"  # no adapters: vLLM adapts the LM only
 
 
 def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
@@ -48,16 +50,16 @@ def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
     router_ids = {id(router) for router in routers(lm)}
     router_params = {id(p) for router in routers(lm) for p in router.parameters() if p.requires_grad}
     output_head = lm.get_output_embeddings()  # type: ignore[operator]
-    vision = hasattr(lm.config, "vision_config")
+    exclude = outside_language_model(lm)
     try:
-        inject_adapter_in_model(peft_config(config, vision=vision), lm, adapter_name=ADAPTER)
+        inject_adapter_in_model(peft_config(config, exclude=exclude), lm, adapter_name=ADAPTER)
     except ValueError as err:
         raise ValueError(f"{where}.target_modules: {err}") from err
     adapted = [name for name, module in lm.named_modules() if isinstance(module, LoraLayer)]
     if idle := [t for t in config.target_modules if not any(n == t or n.endswith(f".{t}") for n in adapted)]:
-        raise ValueError(f"{where}.target_modules: {idle} match no linear layer of the {'language ' * vision}model"
-                         " (a MoE's experts are fused parameters, not linears); hint: e.g. [q_proj, k_proj, v_proj, "
-                         "o_proj]")
+        raise ValueError(f"{where}.target_modules: {idle} match no linear layer of the "
+                         f"{'language ' * bool(exclude)}model (a MoE's experts are fused parameters, not linears); "
+                         "hint: e.g. [q_proj, k_proj, v_proj, o_proj]")
     for name, module in lm.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         head = base is not None and base is output_head  # vLLM's LoRA there breaks the refit probe (engines.vllm_lora)
@@ -69,14 +71,28 @@ def apply_lora(lm: nn.Module, config: LoraConfig, where: str = "lora") -> None:
         param.requires_grad_(is_adapter(name) or id(param) in router_params)
 
 
-def peft_config(config: LoraConfig, base: str | None = None, vision: bool = False):  # -> peft.LoraConfig
+def outside_language_model(lm: nn.Module) -> str | None:
+    """peft's ``exclude_modules`` for a vision-language ``lm``: a regex of every module outside its language
+    model (the module transformers' ``get_decoder`` finds, whatever the tower is called), which vLLM does not
+    adapt and whose q/k/v_proj a CLIP tower has too; None for a text model."""
+    if not hasattr(lm.config, "vision_config"):
+        return None
+    decoder = lm.get_decoder()  # type: ignore[operator]
+    prefix = next(name for name, module in lm.named_modules() if module is decoder)
+    if not prefix:
+        raise ValueError(f"lora: {type(lm).__name__} has a vision_config but transformers finds no language model "
+                         "inside it (get_decoder), so its tower cannot be kept free of adapters")
+    return rf"^(?!{re.escape(prefix)}\.).*"
+
+
+def peft_config(config: LoraConfig, base: str | None = None, exclude: str | None = None):  # -> peft.LoraConfig
     """peft's LoraConfig for ``config`` (``base``: the model folder, written as base_model_name_or_path;
-    ``vision``: a VLM's tower and projector excluded, whose q/k/v_proj a CLIP tower has too)."""
+    ``exclude``: the modules no adapter goes on, `outside_language_model`)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
                           target_modules=list(config.target_modules), base_model_name_or_path=base,
-                          exclude_modules=VISION_MODULES if vision else None)
+                          exclude_modules=exclude)
 
 
 def is_adapter(name: str) -> bool:
@@ -115,14 +131,14 @@ def save_adapter(folder: Path, state: dict[str, Tensor], model: nn.Module, lora:
     tensors = {_peft_name(k): v.contiguous() for k, v in state.items() if k in trained}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     write_adapter_config(folder, lora, base, sorted({k.rsplit(".", 2)[-2] for k in trained if not is_adapter(k)}),
-                         getattr(model, "vision", None) is not None)
+                         outside_language_model(getattr(model, "lm", model)))
 
 
 def write_adapter_config(folder: Path, lora: LoraConfig, base: str | None, modules_to_save: list[str] | None = None,
-                         vision: bool = False) -> None:
+                         exclude: str | None = None) -> None:
     """``folder/adapter_config.json``: peft's LoraConfig of ``lora`` (base_model_name_or_path ``base``;
-    ``vision``: of a VLM, `peft_config`)."""
-    config = peft_config(lora, base, vision)
+    ``exclude``: `peft_config`)."""
+    config = peft_config(lora, base, exclude)
     config.modules_to_save = modules_to_save or None  # peft: None, not []
     (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list, indent=2))
 
@@ -142,18 +158,23 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
             for name, p in model.named_parameters() if is_adapter(name)}
 
 
-def load_adapter(folder: Path, model: nn.Module, lora: LoraConfig) -> dict[str, Tensor]:
-    """The tensors `save_adapter` wrote, under ``model``'s parameter names (adapters of ``lora``).
+def load_adapter(folder: Path, model: nn.Module, lora: LoraConfig, base: Path) -> dict[str, Tensor]:
+    """The tensors `save_adapter` wrote, under ``model``'s parameter names (adapters of ``lora`` on the model
+    folder ``base``).
 
     Raises:
-        ValueError: a file is missing, the adapter's rank, alpha or dropout is not ``lora``'s, or its
-            tensors differ from ``model``'s trained ones.
+        ValueError: a file is missing, the adapter's rank, alpha or dropout is not ``lora``'s, or its tensors
+            differ from ``model``'s trained ones (a folder other than ``base`` is warned about: a path cannot
+            tell a moved model from another one).
     """
     path = folder / ADAPTER_FILE
     if not path.is_file() or not (folder / "adapter_config.json").is_file():
         raise ValueError(f"checkpoint {folder}: no {ADAPTER_FILE} or adapter_config.json; hint: the run trained "
                          "without lora, or the checkpoint is incomplete")
     saved_config = json.loads((folder / "adapter_config.json").read_text())
+    if (trained_on := saved_config.get("base_model_name_or_path")) and Path(trained_on).resolve() != base.resolve():
+        logger.warning("checkpoint %s: its adapter was trained on %s; policy.model is %s: unless that is the same "
+                       "model moved, the adapter does not apply to it", folder, trained_on, base)
     if differ := [f"{key} {saved_config.get(peft)} (now {value})" for key, peft, value in (
             ("rank", "r", lora.rank), ("alpha", "lora_alpha", lora.alpha), ("dropout", "lora_dropout", lora.dropout))
             if saved_config.get(peft) != value]:

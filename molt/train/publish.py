@@ -39,7 +39,7 @@ from molt.refit import (ADAPTER_FILE, DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTran
                         probe_token_ids, state_digests, weight_record)
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
 from molt.stage import run_owned, scratch_folder
-from molt.train.lora import adapter_state, adapters_only, write_adapter_config
+from molt.train.lora import adapter_state, adapters_only, outside_language_model, write_adapter_config
 from molt.train.model import full_state_dict
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class Publisher:
         if config.probe_tokens < 2:
             logger.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
         self.adapters = model.lora is not None and config.transport.type == "shm" and adapters_only(model)
+        self.exclude = outside_language_model(model.lm)  # what the adapter_config.json of a VLM's adapter leaves out
         if model.lora is not None and not self.adapters:
             logger.warning("%s: refits ship the merged weights, not the adapter alone: %s", where,
                            "routers train in full" if config.transport.type == "shm" else "streamed refits")
@@ -100,7 +101,7 @@ class Publisher:
             assert self.folder is not None, "rank 0 of shm has a folder"
             if self.model.lora is not None and self.adapters:
                 path = self.folder / f"policy_v{version}"
-                record = publish_adapter(state, path, version, self._probe, self.model.lora, self.model.vision is not None)
+                record = publish_adapter(state, path, version, self._probe, self.model.lora, self.exclude)
             else:
                 path = self.folder / f"policy_v{version}.safetensors"
                 record = publish_weights(state, path, version, self._probe)
@@ -180,14 +181,15 @@ def policy_probe(model: PolicyModel, token_ids: list[int], atol: float | None = 
 
 
 def publish_adapter(state: dict[str, torch.Tensor], folder: Path, version: int,
-                    probe: Callable[[], Probe | None], lora: LoraConfig, vision: bool = False) -> dict[str, Any]:
+                    probe: Callable[[], Probe | None], lora: LoraConfig, exclude: str | None = None) -> dict[str, Any]:
     """Write the adapters ``state`` (molt.train.lora.adapter_state) as a peft folder ``folder`` atomically
-    (``.tmp``, then a rename) and return its `weight_record`: format "peft", uri the folder."""
+    (``.tmp``, then a rename; ``exclude``: molt.train.lora.peft_config's) and return its `weight_record`:
+    format "peft", uri the folder."""
     tmp = folder.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     record = publish_weights(state, tmp / ADAPTER_FILE, version, probe)
-    write_adapter_config(tmp, lora, None, vision=vision)
+    write_adapter_config(tmp, lora, None, exclude=exclude)
     os.replace(tmp, folder)
     return {**record, "uri": f"file://{folder}", "format": "peft"}
 

@@ -98,12 +98,13 @@ def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
     return out
 
 
-def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> None:
+def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
     """Restore what `save_train_state` wrote (a collective: call on every rank). A LoRA model restores its
-    adapter (and routers trained in full) only: its frozen base is the model it was loaded from.
+    adapter (and routers trained in full) only: its frozen base is the model it was loaded from, ``model_dir``.
 
     Raises:
-        ValueError: a file is missing, or the weights' names differ from the model's.
+        ValueError: a file is missing, or the weights' names differ from the model's (a LoRA model's
+            adapter: molt.train.lora.load_adapter).
     """
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -116,7 +117,7 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     if rank == 0:
-        model_state = load_adapter(folder / "adapter", model, model.lora) if model.lora else \
+        model_state = load_adapter(folder / "adapter", model, model.lora, model_dir) if model.lora else \
             _model_state(folder, model)
         optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
     # Two calls, not set_state_dict: given an empty model dict (ranks > 0) it would skip the
