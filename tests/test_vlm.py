@@ -437,6 +437,21 @@ def test_lora_on_a_vlm_adapts_the_language_model_only(tiny_vlm):
     assert any(".lora_" in n for n in trained) and all(".language_model." in n for n in trained), sorted(trained)[:3]
 
 
+def test_only_a_lora_policy_needs_its_vlms_language_model_found(tiny_vlm, tmp_path, monkeypatch):
+    """A VLM whose language model transformers cannot find (get_decoder) trains in full and publishes; with
+    LoRA it is refused, as its tower could not be kept free of adapters."""
+    from molt.policy import LoraConfig
+    from molt.refit import PublishConfig
+    from molt.train import load_policy
+    from molt.train.publish import Publisher
+
+    model = load_policy(tiny_vlm, 1.0)
+    monkeypatch.setattr(type(model.lm), "get_decoder", lambda self: self)
+    assert Publisher(PublishConfig(dir=str(tmp_path)), model, 0, "policy.weights").exclude is None
+    with pytest.raises(ValueError, match="get_decoder"):
+        model.add_lora(LoraConfig(rank=4, alpha=8, target_modules=["q_proj"]))
+
+
 def test_an_engine_merges_a_vlm_adapter_into_the_weights_under_their_checkpoint_names(tiny_vlm):
     """A LLaVA checkpoint stores the model's ``model.language_model.X`` as ``language_model.model.X``: the
     engine's merge (molt.engines.refit.merged_checkpoint, CPU's default) finds each adapted weight under its

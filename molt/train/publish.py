@@ -74,7 +74,7 @@ class Publisher:
         if config.probe_tokens < 2:
             logger.warning("%s.probe_tokens < 2: no refit probe; refits are verified by tensor digests only", where)
         self.adapters = model.lora is not None and config.transport.type == "shm" and adapters_only(model)
-        self.exclude = outside_language_model(model.lm)  # what the adapter_config.json of a VLM's adapter leaves out
+        self.exclude = outside_language_model(model.lm) if self.adapters else None  # a VLM adapter's exclude_modules
         if model.lora is not None and not self.adapters:
             logger.warning("%s: refits ship the merged weights, not the adapter alone: %s", where,
                            "routers train in full" if config.transport.type == "shm" else "streamed refits")
