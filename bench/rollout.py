@@ -19,8 +19,8 @@ from pathlib import Path
 
 from molt.agents import ChatTemplate
 from molt.models import resolve_model
-from molt.pipeline import Pipeline
-from molt.runner import Runner
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.runner import Runner
 from molt.tasks import ArithmeticProblems
 
 

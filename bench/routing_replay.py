@@ -90,7 +90,7 @@ async def rollouts(folder: Path, dtype: str) -> list[pa.RecordBatch]:
 
 def measure(folder: Path, groups: list[pa.RecordBatch]) -> dict[str, float]:
     """The step metrics of the train stage's step code on ``groups`` with replay and the comparison."""
-    from molt.stage import StageContext
+    from molt.runtime.stage import StageContext
     from molt.train import load_policy, shard_policy, train_step
     from molt.train.optim import OptimConfig, make_optimizer
     from molt.train.step import ObjectiveConfig

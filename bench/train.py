@@ -54,7 +54,7 @@ def make_rows(args: argparse.Namespace) -> list[dict]:
 def molt_side(args: argparse.Namespace, lora: int | None = None) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of each timed step of molt.train at world size 1, with adapters of rank ``lora``."""
     from molt.schema import batch_from_rows, make_schema, resolve_fields
-    from molt.stage import StageContext
+    from molt.runtime.stage import StageContext
     from molt.train import ObjectiveConfig, OptimConfig, load_policy, shard_policy, train_step
     from molt.policy import LoraConfig
     from molt.train.moe import freeze_routers, routers

@@ -7,7 +7,7 @@ same number of bytes with ``copy=False``; the Molt edge sends a record batch wit
 one int64 column of that size (ROUTER/DEALER with credits, Arrow IPC encoding,
 zero-copy decode and schema check). Target: ratio >= 0.8 at 16 MiB.
 
-``--tcp``: the Molt edge over ``tcp://`` loopback with CURVE (molt.curve, per-run keys,
+``--tcp``: the Molt edge over ``tcp://`` loopback with CURVE (molt.runtime.curve, per-run keys,
 the ZAP handler admitting the run's client key) versus the same edge in plaintext;
 ends with ``ratio transport_curve_16MiB ...``.
 
@@ -27,8 +27,8 @@ import pyarrow as pa
 import zmq
 import zmq.asyncio
 
-from molt.ports import InputPort, OutputPort
-from molt.edges import EdgeSpec
+from molt.runtime.ports import InputPort, OutputPort
+from molt.runtime.edges import EdgeSpec
 
 MiB = 1 << 20
 SCHEMA = pa.schema([("x", pa.int64())])
@@ -61,7 +61,7 @@ def raw_recv(endpoint: str, count: int, out: mp.Queue) -> None:
 
 def edge_send(endpoint: str, size: int, count: int, curve: str | None = None) -> None:
     async def main() -> None:
-        from molt.curve import run_keys, start_authenticator
+        from molt.runtime.curve import run_keys, start_authenticator
 
         ctx = zmq.asyncio.Context()
         auth = start_authenticator(ctx, run_keys(curve)) if curve else None
@@ -128,7 +128,7 @@ def curve_vs_plain(count_arg: int) -> None:
     """The Molt edge over tcp:// loopback: CURVE (per-run keys) versus plaintext."""
     from pathlib import Path
 
-    from molt.curve import CurveKeys
+    from molt.runtime.curve import CurveKeys
 
     keys = Path(tempfile.mkdtemp()) / "curve.json"
     CurveKeys.generate().write(keys)

@@ -4,7 +4,7 @@ Both sides: the default model (SmolLM2-135M-Instruct, the prepared HF folder), t
 ``--steps`` x 16 training prompts in the same order ("What is a + b? Answer with just the
 number.", operands 10-60, train split, rendered with the model's chat template), 8
 samples per prompt at temperature 0.8, at most 24 new tokens, the last-number grader of
-``molt.graders`` (score 0/1), GRPO advantages (group mean and std), PPO clip 0.2/0.28
+``molt.tasks.graders`` (score 0/1), GRPO advantages (group mean and std), PPO clip 0.2/0.28
 with the token mean over the step (TRL's ``loss_type="dapo"``), no KL, AdamW at lr 3e-6
 with a constant schedule, gradient clip 1.0, one optimizer step per 128 samples, fp32.
 
@@ -62,8 +62,8 @@ def molt_side(steps: int, work: Path, overrides: tuple[str, ...] = ()) -> dict:
     """Run the quickstart minus evaluation for ``steps`` steps through the real runner,
     with ``--set``-style ``overrides`` (e.g. ``policy.max_staleness=0``)."""
     from molt.config import apply_override, load_yaml
-    from molt.pipeline import Pipeline
-    from molt.runner import Runner
+    from molt.runtime.pipeline import Pipeline
+    from molt.runtime.runner import Runner
 
     path = ROOT / "pipelines" / "quickstart.yaml"
     spec = load_yaml(path)
@@ -101,12 +101,12 @@ def molt_side(steps: int, work: Path, overrides: tuple[str, ...] = ()) -> dict:
 def trl_worker(prompts_path: str, model_dir: str, out_path: str, generation: str) -> None:
     """Runs in TRL's virtual environment: GRPOTrainer on the same prompts; writes per-step figures.
     ``generation``: "default" (transformers generate) or "vllm" (TRL's colocated vLLM)."""
-    sys.path.insert(0, str(ROOT))  # for molt.graders (needs pydantic only)
+    sys.path.insert(0, str(ROOT))  # for molt.tasks.graders (needs pydantic only)
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from molt.graders import MathGrader
+    from molt.tasks.graders import MathGrader
 
     grader = MathGrader()
     records = json.loads(Path(prompts_path).read_text())

@@ -22,12 +22,12 @@ Where the YAML sets it (an override), the value is checked, by the field's ``rel
 - ``at_most`` (the rollout's max_staleness): no looser than the agreed bound, since the trainer
   refuses older tokens; a stricter admission is meaningful (replicas running unevenly stay within
   the trainer's bound), and so is none (null: admission unbounded, the trainer's bound still holds;
-  molt.pipeline.check_group_filters asks for it where a bound cannot be kept).
+  molt.runtime.pipeline.check_group_filters asks for it where a bound cannot be kept).
 - ``warn`` (precision): the trainer computes in the precision the engines sample in (DESIGN §10),
   so an on-policy step has ratio 1 within fp32 tolerance. A stage set otherwise is the user's
   choice: allowed, and warned about at load with what it costs.
 
-molt.pipeline.check_group_filters refuses a group filter under a staleness bound whose drops the rollout does
+molt.runtime.pipeline.check_group_filters refuses a group filter under a staleness bound whose drops the rollout does
 not hear of. (Measured, the quickstart's first on-policy step: `MISMATCH_COST`.)
 """
 

@@ -119,7 +119,7 @@ class PublishConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     every_steps: int = Field(1, ge=1, description="publish after every k-th step (policy_version % k == 0)")
     dir: str | None = Field(None, description="folder for the weight files; None: the run's scratch folder "
-                            "in shared memory (molt.stage.scratch_folder), which outlives the trainer")
+                            "in shared memory (molt.runtime.stage.scratch_folder), which outlives the trainer")
     keep_versions: int = Field(2, ge=1, description="newest weight files kept")
     probe_tokens: int = Field(32, ge=0, description="length P of the refit probe (below); < 2 = none")
     probe_atol: float | None = Field(None, gt=0, description="largest |engine - trainer| probe logprob "

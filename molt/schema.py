@@ -52,7 +52,7 @@ TRAJECTORY_FIELDS: tuple[pa.Field, ...] = (
     _field("images", pa.list_(pa.binary()), "encoded images (PNG/JPEG bytes) of the row, in order; null: none"),
     _field("image_token_positions", _I32_LIST,
            "[total image tokens] positions in token_ids of the images' tokens, which the model's "
-           "processor expanded from one placeholder each, as many as each image has (molt.multimodal)"),
+           "processor expanded from one placeholder each, as many as each image has (molt.models.images)"),
     _field("routed_experts", pa.binary(),
            "[T, L, K] int16 (little-endian, C order) expert ids the engine routed each token to "
            "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k; written by a "

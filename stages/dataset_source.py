@@ -11,7 +11,7 @@ prompt group key never repeats within a run. ``state_dict()`` is the cursor
 (``{"cursor": {"source": {"epoch": e, "position": p}}, "num_records": n,
 "num_batches": b}``); a new instance given it by ``load_state_dict()`` continues with
 the next prompt. ``checkpoint_every_batches: k`` emits a checkpoint ``Barrier(b)``
-after every k-th batch (b = batches emitted so far; molt.checkpoint), which is what
+after every k-th batch (b = batches emitted so far; molt.runtime.checkpoint), which is what
 ``molt run --resume`` restarts from; with ``k * prompts_per_batch`` a multiple of the
 pipeline's ``policy.groups_per_step`` each checkpoint falls on an optimizer-step boundary.
 Example: 5 records, ``prompts_per_batch: 2``, one epoch -> batches of 2, 2, 1 rows.
@@ -32,9 +32,9 @@ from pydantic import Field
 from torchdata.nodes import Batcher
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
-from molt.stage import Port, Source, StageConfig, StageContext
+from molt.runtime.stage import Port, Source, StageConfig, StageContext
 from molt.tasks import PromptNode, Record, Task, TaskConfig, prompt_batches
-from molt.edges import Barrier
+from molt.runtime.edges import Barrier
 
 WRITES = ("prompt_id", "metadata")
 
@@ -47,7 +47,7 @@ class DatasetSource(Source):
         prompts_per_batch: int = Field(8, ge=1, description="prompts (rows) per emitted batch")
         num_epochs: int | None = Field(1, ge=1, description="passes over a finite task; null = forever")
         shuffle: bool | None = Field(None, description="reshuffle each epoch; default true (finite tasks)")
-        seed: int | None = Field(None, description="seed of the per-epoch shuffle; None = the run's (molt.seeds)")
+        seed: int | None = Field(None, description="seed of the per-epoch shuffle; None = the run's (molt.runtime.seeds)")
         checkpoint_every_batches: int = Field(0, ge=0, description="checkpoint barrier every k batches; 0 = none")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}

@@ -29,7 +29,7 @@ from pydantic import Field
 
 from molt.algorithms.dapo import is_flat
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows
-from molt.stage import Port, StageConfig, Transform
+from molt.runtime.stage import Port, StageConfig, Transform
 
 
 class DynamicSampling(Transform):

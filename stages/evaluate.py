@@ -7,7 +7,7 @@ received (``v`` unless newer ones were waiting or its file was pruned); and at e
 version it saw on every task not evaluated at it (the final accuracy). Refits are verified
 (molt.engines.refit). A resumed run evaluates no version its metrics file holds already.
 
-One evaluation of a task (molt.evaluation.Evaluator, as a rollout's ``evaluate:`` on the rollout's engine):
+One evaluation of a task (molt.agents.evaluation.Evaluator, as a rollout's ``evaluate:`` on the rollout's engine):
 every problem, one greedy completion each and, with ``samples: k``, k at the task's ``temperature``, graded by
 its ``grader``. It logs at step = policy version, under the stage id and, for one of ``tasks``, its name
 (``evaluate/accuracy``, ``evaluate/gsm8k/pass@8``)::
@@ -40,11 +40,11 @@ import pyarrow as pa
 from pydantic import Field
 
 from molt.agents import ChatTemplate
-from molt.engines.config import EngineConfig, make_engine
+from molt.engines import EngineConfig, make_engine
 from molt.engines.refit import FILE_FORMATS, apply_weight_record, link_weights, remove_weights
-from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
+from molt.agents.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.policy import policy_field
-from molt.stage import Port, Service, scratch_folder
+from molt.runtime.stage import Port, Service, scratch_folder
 
 
 class Evaluate(Service):
@@ -139,7 +139,7 @@ class Evaluate(Service):
         await self.evaluate(names)
 
     async def evaluate(self, names: list[str]) -> None:
-        """Evaluate the engine's current weights on each of ``names`` (molt.evaluation.Evaluator.run)."""
+        """Evaluate the engine's current weights on each of ``names`` (molt.agents.evaluation.Evaluator.run)."""
         await self.evaluator.run(names)
 
     def close(self) -> None:

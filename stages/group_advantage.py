@@ -22,7 +22,7 @@ from molt.algorithms.advantage_configs import AdvantageConfig, AdvantageInputs, 
 from molt.algorithms.policy_metrics import group_metrics
 from molt.columns import padded, row_lengths, unpadded
 from molt.schema import COLUMNS
-from molt.stage import Port, StageConfig, Transform
+from molt.runtime.stage import Port, StageConfig, Transform
 
 _OPTIONAL = ("rollout_logprobs", "teacher_logprobs", "values")
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from molt.stage import Port, Transform
+from molt.runtime.stage import Port, Transform
 
 
 class MetricsSink(Transform):

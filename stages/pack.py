@@ -40,11 +40,11 @@ import pyarrow.compute as pc
 from pydantic import Field
 
 from molt.columns import row_lengths
-from molt.edges import Barrier
-from molt.multimodal import row_images
-from molt.pipeline_spec import FOLLOWS_WORLD_SIZE
+from molt.runtime.edges import Barrier
+from molt.models.images import row_images
+from molt.runtime.spec import FOLLOWS_WORLD_SIZE
 from molt.policy import policy_field
-from molt.stage import Port, Service, StageConfig
+from molt.runtime.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens
 
 STEP_FIELDS = (
@@ -63,7 +63,7 @@ class Pack(Service):
         groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="prompt groups per optimizer "
                                             "step (molt.policy: policy.groups_per_step)")
         world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage; unset: the world_size "
-                                "of the stage it feeds (molt.pipeline)", json_schema_extra=FOLLOWS_WORLD_SIZE)
+                                "of the stage it feeds (molt.runtime.pipeline)", json_schema_extra=FOLLOWS_WORLD_SIZE)
         max_tokens_per_micro_batch: int = Field(4096, ge=1, description="token budget of one packed forward")
         flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")
 

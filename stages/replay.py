@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 from pydantic import Field
 
-from molt.recording import read_batches, read_schema, recording_files
-from molt.stage import Port, Source, StageConfig
+from molt.runtime.recording import read_batches, read_schema, recording_files
+from molt.runtime.stage import Port, Source, StageConfig
 
 
 class ReplaySource(Source):

@@ -3,7 +3,7 @@
 Reads the row's ``metadata`` JSON: ``completion_text`` (the decoded completion, put
 there by the rollout stage for grading only; it never feeds training) and
 ``answer`` (put there by the dataset source). The grader is chosen by
-``grader.type`` (:mod:`molt.graders`: ``math`` extracts ``\\boxed{}``, ``#### N`` or
+``grader.type`` (:mod:`molt.tasks.graders`: ``math`` extracts ``\\boxed{}``, ``#### N`` or
 the last number and compares by value; ``exact`` compares strings).
 Logs ``score_mean`` and ``no_answer_fraction`` (completions with no answer found),
 both over every row graded so far.
@@ -21,9 +21,9 @@ from typing import ClassVar
 import pyarrow as pa
 from pydantic import Field
 
-from molt.graders import Grade, GraderConfig, MathGrader
+from molt.tasks.graders import Grade, GraderConfig, MathGrader
 from molt.schema import COLUMNS
-from molt.stage import Port, StageConfig, Transform
+from molt.runtime.stage import Port, StageConfig, Transform
 
 
 class Reward(Transform):

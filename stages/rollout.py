@@ -5,7 +5,7 @@ or ``agent`` (OpenAI SDK code) on one engine: token ids, logprobs and versions g
 Its tasks: `_admit` starts group i once the engine is at version >= i // groups_per_step - max_staleness
 (molt.agents.admission); `_send_in_order` sends groups in the order they started; `_listen` refits (verified) to the
 newest record on ``weights`` and takes drop notices on ``drops``. With streamed (nccl) weights or ``evaluate:``
-(molt.evaluation) refits go on after ``out`` ends. Checkpoint: admission counters, versions evaluated and the engine's
+(molt.agents.evaluation) refits go on after ``out`` ends. Checkpoint: admission counters, versions evaluated and the engine's
 version, which a resumed rollout waits for. A rollout that raises or whose prompt is over the context window fails
 (``rollouts_failed``); a group with none left is lost (``groups_lost``), the next takes its place; none succeeding (after
 a step's worth of lost groups, or at the end) fails the stage. A dead or hung engine is restarted (molt.engines.restart).
@@ -22,15 +22,15 @@ from pydantic import Field
 
 from molt.agents import ChatServer, ChatTemplate, Episode, episode_classes, run_episode, run_group
 from molt.agents.admission import GroupAdmission
-from molt.edges import Barrier
+from molt.runtime.edges import Barrier
 from molt.engines.base import SamplingParams
-from molt.engines.config import EngineConfig, make_engine
+from molt.engines import EngineConfig, make_engine
 from molt.engines.restart import EngineRestarter, RestartConfig
-from molt.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
+from molt.agents.evaluation import EVAL_SCHEMA, EvaluationConfig, Evaluator
 from molt.models import resolve_model
 from molt.policy import policy_field
 from molt.schema import DROP_NOTICE_SCHEMA, batch_from_rows, make_schema, resolve_fields
-from molt.stage import Port, Service, StageConfig, first_failure
+from molt.runtime.stage import Port, Service, StageConfig, first_failure
 from molt.tasks import read_prompts
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "rollout_logprobs",
@@ -190,7 +190,7 @@ class Rollout(Service):
         return ep
 
     async def _refit(self, item: pa.RecordBatch | None = None) -> None:
-        """Refit to ``item`` (None: the newest waiting) once no evaluation runs (molt.evaluation); verified."""
+        """Refit to ``item`` (None: the newest waiting) once no evaluation runs (molt.agents.evaluation); verified."""
         await self.evaluator.refit(lambda: self.restarter.refit(item), wait=True)  # logs refit_seconds
         await self.admission.changed()
 

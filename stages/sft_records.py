@@ -2,7 +2,7 @@
 
 Each prompt row (``prompt_id``, ``metadata`` from stages.dataset_source) becomes one
 trajectory row: the task's ``messages`` rendered by the model's own chat template
-(images as the model's image tokens, molt.multimodal), followed by the demonstration:
+(images as the model's image tokens, molt.models.images), followed by the demonstration:
 the tokens of ``response`` (default: the task's ``answer``) and the end-of-turn token
 (the tokenizer's EOS, e.g. ``<|im_end|>``). ``loss_mask`` is true exactly on the
 demonstration; ``policy_version`` is -1 everywhere (no policy generated these tokens);
@@ -35,7 +35,7 @@ from pydantic import Field
 from molt.agents import ChatTemplate
 from molt.policy import policy_field
 from molt.schema import batch_from_rows, make_schema, resolve_fields
-from molt.stage import Port, StageConfig, Transform
+from molt.runtime.stage import Port, StageConfig, Transform
 
 WRITES = ("sample_id", "rollout_id", "segment_index", "token_ids", "loss_mask", "policy_version", "group_size",
           "finish_reason", "images", "image_token_positions")

@@ -22,7 +22,7 @@ import torch
 
 from molt.algorithms.dapo import overlong_penalty
 from molt.schema import COLUMNS
-from molt.stage import Port, StageConfig, Transform
+from molt.runtime.stage import Port, StageConfig, Transform
 
 
 class ShapeReward(Transform):

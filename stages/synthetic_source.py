@@ -20,8 +20,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
-from molt.stage import Port, Source, StageConfig
-from molt.edges import Barrier
+from molt.runtime.stage import Port, Source, StageConfig
+from molt.runtime.edges import Barrier
 
 WRITES = ("sample_id", "prompt_id", "rollout_id", "segment_index", "token_ids", "loss_mask",
           "rollout_logprobs", "policy_version", "group_size", "score", "finish_reason", "metadata")
@@ -37,7 +37,7 @@ class SyntheticSource(Source):
         prompt_tokens: int = Field(8, ge=1, description="tokens per prompt")
         max_new_tokens: int = Field(16, ge=1, description="completion length is 1..this")
         vocab_size: int = Field(1000, ge=2)
-        seed: int | None = Field(None, description="None = the run's (molt.seeds)")
+        seed: int | None = Field(None, description="None = the run's (molt.runtime.seeds)")
         checkpoint_every_batches: int = Field(0, ge=0, description="0 = no checkpoint barriers")
 
     outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}

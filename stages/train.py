@@ -31,13 +31,13 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from molt.checkpoint import read_replica_state
-from molt.edges import Barrier
-from molt.memory import peak_memory_gb
+from molt.runtime.checkpoint import read_replica_state
+from molt.runtime.edges import Barrier
+from molt.runtime.memory import peak_memory_gb
 from molt.models import export_path
 from molt.policy import LoraConfig, Precision, policy_field
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-from molt.stage import Port, Service, StageConfig
+from molt.runtime.stage import Port, Service, StageConfig
 from molt.train.collapse import CollapseConfig, CollapseWatch, row_metrics
 from molt.train.model import load_policy, shard_policy
 from molt.train.moe import apply_moe_keys
@@ -71,7 +71,7 @@ class Train(Service):
                                           "over the ranks with all-to-all dispatch (molt.train.expert_parallel)")
         export_model: str | None = Field(None, description="at the end: write the policy as a HF folder, this name "
                                           "in the model cache (then a model name) or a path with '/'")
-        seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.seeds)")
+        seed: int | None = Field(None, description="torch.manual_seed; None = the run's (molt.runtime.seeds)")
         optim: OptimConfig = Field(default_factory=OptimConfig)
         collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="molt.train.collapse")
         weights: PublishConfig = policy_field("weights", default_factory=PublishConfig, description="how the "

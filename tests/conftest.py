@@ -12,8 +12,8 @@ from typing import Any
 import psutil
 import pytest
 
-from molt.pipeline import Pipeline
-from molt.runner import Runner
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.runner import Runner
 
 SOURCE = "stages.synthetic_source.SyntheticSource"
 # The workspace's shared/ folder lies beside the checkout (CI clones elsewhere, with a copy beside it).

@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from molt.pipeline import Pipeline
-from molt.recording import read_batches
-from molt.runner import Runner
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import read_batches
+from molt.runtime.runner import Runner
 from molt.train.model import load_policy, shard_policy
 
 SMALL_EVAL = ["stages.evaluate.config.task.num_problems=8", "stages.evaluate.config.every_versions=2",

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from molt.columns import padded, unpadded
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 from molt.schema import COLUMNS, batch_from_rows, make_schema
-from molt.stage import StageContext
+from molt.runtime.stage import StageContext
 from stages.dynamic_sampling import DynamicSampling
 from stages.group_advantage import GroupAdvantage
 from stages.shape_reward import ShapeReward

@@ -6,7 +6,7 @@ import pytest
 
 from molt.agents import AgentError, ChatAgent, ChatServer, ChatTemplate
 from molt.engines.base import SamplingParams
-from molt.recording import read_batches
+from molt.runtime.recording import read_batches
 from tests.conftest import run_spec
 from tests.doubles.agents import CompactingAgent, HotAgent, ThreeTurnAgent
 from tests.test_rollout import Recording, rollout_pipeline

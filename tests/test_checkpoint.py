@@ -1,4 +1,4 @@
-"""Checkpoints at aligned barriers and exact resume (molt.checkpoint, `molt run --resume`)."""
+"""Checkpoints at aligned barriers and exact resume (molt.runtime.checkpoint, `molt run --resume`)."""
 
 import json
 import shutil
@@ -11,14 +11,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from molt.checkpoint import complete_checkpoints, latest_checkpoint, prune_checkpoints, replica_names
-from molt.pipeline import Pipeline
-from molt.recording import RecordWriter, read_batches
-from molt.runner import Runner
+from molt.runtime.checkpoint import complete_checkpoints, latest_checkpoint, prune_checkpoints, replica_names
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import RecordWriter, read_batches
+from molt.runtime.runner import Runner
 from tests.conftest import SINK, SOURCE, run_spec
 from tests.test_train import rl_pipeline
 
-MOLT = [sys.executable, "-m", "molt.cli"]
+MOLT = [sys.executable, "-m", "molt.commands.cli"]
 
 
 def batch(i):

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from molt.cli import main
-from molt.replay_command import replay_spec
-from molt.recording import RecordWriter, read_batches, summarize
+from molt.commands.cli import main
+from molt.commands.replay import replay_spec
+from molt.runtime.recording import RecordWriter, read_batches, summarize
 from molt.schema import COLUMNS, batch_from_rows, make_schema
 
 
@@ -127,7 +127,7 @@ def test_a_torchvision_that_does_not_import_is_named_before_anything_starts(tmp_
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.getcwd()}"}
     for args in (["run", "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "run")],
                  ["sweep", "pipelines/smoke.yaml", "--seeds", "1", "--out", str(tmp_path / "sweep")]):
-        out = subprocess.run([sys.executable, "-m", "molt.cli", *args], capture_output=True, text=True, env=env,
+        out = subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, env=env,
                              timeout=120)
         assert out.returncode == 2, out.stderr[-2000:]
         assert "torchvision is installed but does not import beside torch: RuntimeError: operator torchvision::nms" \

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from molt.pipeline import Pipeline
-from molt.recording import read_batches
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import read_batches
 from molt.schema import COLUMNS, batch_from_rows, make_schema
-from molt.stage import StageContext
+from molt.runtime.stage import StageContext
 from stages.dataset_source import DatasetSource
 from stages.reward import Reward
 from tests.conftest import GSM8K_DIR, SINK, run_spec
@@ -107,7 +107,7 @@ def test_reward_scores_completions_against_the_answer():
 
 
 def test_reward_logs_score_mean_and_the_no_answer_fraction(tmp_path):
-    from molt.metrics import MetricsWriter
+    from molt.runtime.metrics import MetricsWriter
 
     s = Reward(Reward.Config(), StageContext("reward", metrics=MetricsWriter(tmp_path / "m.jsonl", "reward", 0)))
     s.setup()

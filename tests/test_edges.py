@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from molt.ports import InputPort, OutputPort
-from molt.edges import DATA, Barrier, EdgeSpec, ProtocolError, UpstreamError, encode_batch, keyed_split
+from molt.runtime.ports import InputPort, OutputPort
+from molt.runtime.edges import DATA, Barrier, EdgeSpec, ProtocolError, UpstreamError, encode_batch, keyed_split
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
 
@@ -301,7 +301,7 @@ def test_malformed_frames_raise_protocol_errors_naming_the_edge(zctx, tmp_path, 
 FUZZ = """
 import random, sys
 import pyarrow as pa
-from molt.edges import ProtocolError, decode_batch, encode_batch
+from molt.runtime.edges import ProtocolError, decode_batch, encode_batch
 schema = pa.schema([("prompt_id", pa.string()), ("token_ids", pa.list_(pa.int32())), ("x", pa.float32())])
 good = encode_batch(pa.RecordBatch.from_pydict(
     {"prompt_id": ["a", "bb", "ccc"] * 20, "token_ids": [[1, 2], [], [3, 4, 5]] * 20, "x": [0.5] * 60},
@@ -408,10 +408,10 @@ def free_tcp_endpoint() -> str:
 
 
 def test_a_curve_edge_delivers_and_a_peer_without_the_run_keys_can_neither_read_nor_inject(zctx, tmp_path):
-    """tcp:// with CURVE (molt.curve): the run's consumer gets the batch; a consumer with other keys,
+    """tcp:// with CURVE (molt.runtime.curve): the run's consumer gets the batch; a consumer with other keys,
     or none, is never admitted (its hello never reaches the producer); a producer without the server
     secret cannot deliver a batch to the run's consumer."""
-    from molt.curve import CurveKeys, make_client, run_keys, start_authenticator
+    from molt.runtime.curve import CurveKeys, make_client, run_keys, start_authenticator
 
     keys_file = tmp_path / "keys" / "curve.json"
     CurveKeys.generate().write(keys_file)
@@ -449,7 +449,7 @@ def test_a_curve_edge_delivers_and_a_peer_without_the_run_keys_can_neither_read_
                 rogue = zctx.socket(zmq.ROUTER)
                 rogue.setsockopt(zmq.LINGER, 0)
                 if rogue_keys is not None:
-                    from molt.curve import make_server
+                    from molt.runtime.curve import make_server
                     make_server(rogue, rogue_keys)
                 rogue.bind(endpoint)
                 victim = InputPort(zctx, "in", [EdgeSpec("p.out->c.in", "stream", (endpoint,), ("c.0",), SCHEMA,

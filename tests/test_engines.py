@@ -139,7 +139,7 @@ def test_tokens_after_a_weight_load_carry_the_new_version(tiny_model, tmp_path):
 
 
 def test_vllm_only_keys_given_to_the_transformers_engine_are_named_in_a_warning(tiny_chat_model, caplog):
-    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines import EngineConfig, make_engine
 
     config = EngineConfig.model_validate({"type": "transformers", "kv_cache_gib": 0.5, "block_size": 32})
     with caplog.at_level(logging.WARNING, logger="molt.engines.config"):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from molt.stage import StageContext
+from molt.runtime.stage import StageContext
 from stages.evaluate import Evaluate
 
 

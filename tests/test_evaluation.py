@@ -1,4 +1,4 @@
-"""molt.evaluation and `molt eval`: pass@k, avg@k, maj@k and their standard errors; tasks; runs at a version."""
+"""molt.agents.evaluation and `molt eval`: pass@k, avg@k, maj@k and their standard errors; tasks; runs at a version."""
 
 import asyncio
 import json
@@ -6,17 +6,17 @@ import math
 
 import pytest
 
-from molt.checkpoint import checkpoint_at_version
-from molt.cli import main
-from molt.eval_command import parse_task
+from molt.runtime.checkpoint import checkpoint_at_version
+from molt.commands.cli import main
+from molt.commands.eval import parse_task
 from molt.agents import ChatTemplate
-from molt.evaluation import evaluate, load_problems, majority_score, pass_at_k, sampled_metrics, summarise
-from molt.graders import Grade, MathGrader
+from molt.agents.evaluation import evaluate, load_problems, majority_score, pass_at_k, sampled_metrics, summarise
+from molt.tasks.graders import Grade, MathGrader
 from molt.tasks import ArithmeticTask
-from molt.metrics import logged_steps
-from molt.pipeline import Pipeline
-from molt.recording import read_batches
-from molt.runner import Runner
+from molt.runtime.metrics import logged_steps
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import read_batches
+from molt.runtime.runner import Runner
 from tests.conftest import run_spec
 from tests.test_checkpoint import drop_checkpoints_after, resumable_rl
 from tests.test_train import with_evaluation
@@ -179,8 +179,8 @@ def test_a_refit_waits_for_the_evaluation_on_its_engine_and_a_streamed_one_is_re
     until it ends; an evaluation that failed fails the refit. Streamed refits cannot wait: refused."""
     from types import SimpleNamespace
 
-    from molt.evaluation import EvaluationConfig, Evaluator
-    from molt.stage import StageContext
+    from molt.agents.evaluation import EvaluationConfig, Evaluator
+    from molt.runtime.stage import StageContext
 
     stage = SimpleNamespace(ctx=StageContext("rollout"), engine=SimpleNamespace(policy_version=3))
 

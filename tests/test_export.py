@@ -6,8 +6,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt.cli import main
-from molt.recording import read_batches
+from molt.commands.cli import main
+from molt.runtime.recording import read_batches
 
 
 def logprob_gaps(model_dir, rows, version):

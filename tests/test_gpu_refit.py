@@ -393,7 +393,7 @@ def test_a_refit_through_vllms_transfer_lifecycle_is_digest_verified_probed_and_
 
 
 def test_an_engine_that_loads_files_refuses_a_streamed_record(tiny_chat_model):
-    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines import EngineConfig, make_engine
     from molt.engines.hf import TransformersEngine
     from molt.engines.refit import apply_weight_record
 
@@ -436,7 +436,7 @@ def test_one_nccl_refit_from_a_trainer_gpu_to_a_vllm_engine_gpu_is_verified(defa
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines import EngineConfig, make_engine
     from molt.train.nccl_send import NCCLSender
     from molt.refit import Probe
 

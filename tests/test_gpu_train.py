@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from molt.recording import read_batches
+from molt.runtime.recording import read_batches
 from molt.train import ObjectiveConfig, OptimConfig, full_state_dict, train_step
 from molt.train.model import ensure_process_group, load_policy, shard_policy
 from molt.train.optim import make_optimizer

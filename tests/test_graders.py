@@ -3,7 +3,7 @@
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from molt.graders import ExactGrader, Grade, GraderConfig, MathGrader, answers_match, extract_answer
+from molt.tasks.graders import ExactGrader, Grade, GraderConfig, MathGrader, answers_match, extract_answer
 
 
 @pytest.mark.parametrize("completion, answer, score", [

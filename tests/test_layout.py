@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.stage import Service, Source, Stage, StageConfig, Transform
+from molt.runtime.stage import Service, Source, Stage, StageConfig, Transform
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_FILES = sorted(p for p in (ROOT / "stages").glob("*.py") if p.name != "__init__.py")

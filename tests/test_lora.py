@@ -228,7 +228,7 @@ def test_a_lora_rl_loop_refits_verified_adapters_and_exports_the_adapter(tiny_ch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from molt.export import export_run
+    from molt.commands.export import export_run
 
     spec = with_evaluation(rl_pipeline(tiny_chat_model, 1), tiny_chat_model)  # on-policy: refits before step 1
     spec["stages"]["source"]["config"]["checkpoint_every_batches"] = 1
@@ -255,7 +255,7 @@ def test_a_lora_rl_loop_refits_verified_adapters_and_exports_the_adapter(tiny_ch
 @pytest.mark.parametrize("name, base", [("quickstart_lora", "quickstart"), ("moe_lora", "moe"),
                                         ("vlm_moe_lora", "vlm_moe")])
 def test_a_lora_pipeline_is_its_base_with_adapters_frozen_routers_and_a_tenfold_lr(name, base):
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     full, lora = (Pipeline.from_yaml(f"pipelines/{n}.yaml") for n in (base, name))
     stages, adapters = lora.stages, lora.stages["train"].config.lora

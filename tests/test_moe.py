@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from molt.cli import main
+from molt.commands.cli import main
 from molt.engines.base import SamplingParams
 from tests.test_engines import chat_ids as chat
 
@@ -207,7 +207,7 @@ def test_routers_compute_in_fp32_while_the_experts_compute_in_bf16(tiny_moe):
 
 
 def train_stage(model_dir, **config):
-    from molt.stage import StageContext
+    from molt.runtime.stage import StageContext
     from stages.train import Train
 
     stage = Train(Train.Config.model_validate({"model": str(model_dir), "temperature": 1.0,

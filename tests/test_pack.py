@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from molt.schema import batch_from_rows, make_schema, resolve_fields
-from molt.stage import StageContext
+from molt.runtime.stage import StageContext
 from molt.train.packing import balance_ranks, fill_micro_batches, pack_sequences, plan_step
 from stages.pack import Pack, split_groups
 

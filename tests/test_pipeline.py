@@ -5,7 +5,7 @@ import textwrap
 import pytest
 import yaml
 
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 
 SRC = "stages.synthetic_source.SyntheticSource"
 SINK = "stages.metrics_sink.MetricsSink"
@@ -76,7 +76,7 @@ ERRORS = [
     (GOOD.replace("tests.doubles.stages.Knobs", "nowhere.Knobs"),
      r"stages.knobs.class: cannot import module 'nowhere'"),
     (GOOD.replace("tests.doubles.stages.Knobs", "molt.schema.COLUMNS"),
-     r"stages.knobs.class: .* is not a molt.stage.Stage subclass"),
+     r"stages.knobs.class: .* is not a molt.runtime.stage.Stage subclass"),
     (GOOD + "      - {from: source, to: knobz}\n",
      r"edges\[1\].to: unknown stage 'knobz'; did you mean 'knobs'\?"),
     (GOOD.replace("knobs: {", "Knobs2: {").replace("to: knobs", "to: Knobs2"),
@@ -218,7 +218,7 @@ def test_molt_graph_resolved_prints_the_pipeline_as_it_loads(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "graph", "pipelines/moe.yaml", "--resolved"],
+    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "graph", "pipelines/moe.yaml", "--resolved"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     resolved = yaml.safe_load(out.stdout)

@@ -1,4 +1,4 @@
-"""Placement backends (molt.placement): the Ray backend on a one-node Ray instance (the machine's
+"""Placement backends (molt.runtime.placement): the Ray backend on a one-node Ray instance (the machine's
 CPUs, a capped object store) gives the local backend's results, holds its failure semantics, spreads
 a torchrun group over launchers, and names what it cannot place."""
 
@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 from tests.test_checkpoint import resumable_rl, step_records
 from tests.test_quickstart import SHORT
 from tests.test_runner import MOLT, chain, recorded_rows
@@ -183,8 +183,8 @@ def test_nodes_spread_a_group_over_nodes_even_when_the_stage_asks_for_nothing(tm
 
 def test_a_ray_address_where_nothing_answers_fails_at_once_naming_placement_address(tmp_path, no_orphans,
                                                                                    monkeypatch):
-    from molt.placement import free_port
-    from molt.stage import SCRATCH_ENV
+    from molt.runtime.placement import free_port
+    from molt.runtime.stage import SCRATCH_ENV
 
     spec = chain(num_groups=2)
     spec["placement"] = {"backend": "ray", "address": f"127.0.0.1:{free_port('127.0.0.1')}"}
@@ -226,7 +226,7 @@ def test_the_slurm_recipe_starts_a_ray_cluster_and_runs_the_pipeline_on_it(tmp_p
     import shutil
     import sys
 
-    from molt.placement import free_port
+    from molt.runtime.placement import free_port
 
     shims = tmp_path / "bin"
     shims.mkdir()
@@ -273,7 +273,7 @@ def test_the_gpu_recipes_load_with_their_placement_and_throughput_fields():
 
 
 def test_a_launcher_refuses_a_node_without_the_shared_folders(tmp_path):
-    from molt.placement_ray import Launcher
+    from molt.runtime.ray import Launcher
 
     logs = tmp_path / "run" / "logs"
     logs.mkdir(parents=True)
@@ -298,7 +298,7 @@ def test_a_stop_never_kills_a_process_that_took_a_remembered_descendants_pid(tmp
 
     import psutil
 
-    from molt.placement import Proc
+    from molt.runtime.placement import Proc
 
     stage = Proc.start("stage", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), None,
                        tmp_path / "log")

@@ -23,7 +23,7 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
                 for v in (0, 2, 4)]
     entries.append(("rollout", None, {"rollout/refit_seconds": 0.9}))
     write_metrics(tmp_path / "run", entries)
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "plot", str(tmp_path / "run")],
+    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     names = sorted(p.name for p in (tmp_path / "run" / "plots").iterdir())
@@ -34,9 +34,9 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
 
 def test_plot_skips_figures_without_metrics_and_refuses_a_non_run(tmp_path):
     write_metrics(tmp_path / "run", [("train", 0, {"train/reward/mean": 0.5})])
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "plot", str(tmp_path / "run")],
+    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("reward.png")
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "plot", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no such file; hint: molt plot takes a run directory" in out.stderr

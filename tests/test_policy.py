@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 
 QUICKSTART = "pipelines/quickstart.yaml"
 

@@ -7,10 +7,10 @@ import subprocess
 
 import torch
 
-from molt.pipeline import Pipeline
-from molt.plot import plot_run
-from molt.recording import read_batches
-from molt.runner import Runner
+from molt.runtime.pipeline import Pipeline
+from molt.commands.plot import plot_run
+from molt.runtime.recording import read_batches
+from molt.runtime.runner import Runner
 from molt.train.model import load_policy, shard_policy
 from tests.test_checkpoint import MOLT, step_records
 

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw
 
 from molt.agents import ChatTemplate
 from molt.engines.base import SamplingParams
-from molt.multimodal import VisionProcessor, image_part, packed_vision_inputs
+from molt.models.images import VisionProcessor, image_part, packed_vision_inputs
 from molt.train.packing import pack_sequences
 from tests.doubles.qwen_vl import build_tiny_qwen3_vl_moe
 
@@ -201,8 +201,8 @@ def test_a_qwen3_vl_moe_refit_goes_through_the_checkpoint_layout_and_is_verified
 
 def test_vlm_rl_on_a_tiny_qwen3_vl_moe_trains_with_routing_replay_and_verified_refits(tiny_qwen_vl, tmp_path,
                                                                                       no_orphans):
-    from molt.pipeline import Pipeline
-    from molt.recording import read_batches
+    from molt.runtime.pipeline import Pipeline
+    from molt.runtime.recording import read_batches
     from tests.conftest import run_spec
 
     spec = Pipeline.from_yaml("pipelines/vlm_moe.yaml").to_dict()
@@ -236,7 +236,7 @@ def test_vlm_rl_on_a_tiny_qwen3_vl_moe_trains_with_routing_replay_and_verified_r
 def test_vllm_without_torchvision_is_refused_for_qwen_vl_before_it_starts(tiny_qwen_vl):
     import importlib.util
 
-    from molt.engines.config import EngineConfig, make_engine
+    from molt.engines import EngineConfig, make_engine
 
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: vLLM can import Qwen-VL here")

@@ -106,7 +106,7 @@ def test_identical_weights_pass_the_probe_on_the_first_and_later_refits(tiny_cha
 
 
 class FakeWeightsPort:
-    """A broadcast input port holding the newest record batch (molt.ports.InputPort's two calls)."""
+    """A broadcast input port holding the newest record batch (molt.runtime.ports.InputPort's two calls)."""
 
     def __init__(self, *records: dict) -> None:
         from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
@@ -258,7 +258,7 @@ def test_a_vllm_refit_that_does_not_reach_the_model_is_caught_by_the_probe(vllm_
 _TRIM_CHILD = """
 import os
 import torch
-from molt.memory import release_freed_memory
+from molt.runtime.memory import release_freed_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:

@@ -1,4 +1,4 @@
-"""`requires:` (molt.runner.make_required): a pipeline names the pipeline that makes a model it starts from;
+"""`requires:` (molt.commands.run.make_required): a pipeline names the pipeline that makes a model it starts from;
 `molt run` and `molt sweep` make that model first, once, when the cache lacks it."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 
 MAKER = """name: maker
 stages:
@@ -31,7 +31,7 @@ edges:
 
 def molt(tmp_path, *args):
     env = {**os.environ, "MOLT_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "molt.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, timeout=300,
                           env=env, cwd=os.getcwd())
 
 

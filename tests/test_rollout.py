@@ -15,7 +15,7 @@ import torch
 from molt.agents import ChatTemplate, run_episode
 from molt.engines.base import SamplingParams
 from molt.engines.hf import TransformersEngine
-from molt.recording import read_batches
+from molt.runtime.recording import read_batches
 from tests.conftest import SINK, run_spec
 from tests.doubles.stages import EndlessEnv, ScriptedEnv
 
@@ -201,7 +201,7 @@ def test_a_run_where_every_rollout_fails_fails(tiny_chat_model, tmp_path, no_orp
 
 
 def test_an_env_typo_fails_at_load(tiny_chat_model):
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     with pytest.raises(ValueError, match=r"stages.rollout.config.env: module 'tests.doubles.stages' has no class "
                                          r"'ScriptedEnvv'; did you mean 'ScriptedEnv'\?"):
@@ -350,7 +350,7 @@ def test_a_rollout_streaming_refits_ends_its_output_then_takes_every_version_unt
 
     import stages.rollout as rollout_stage
     from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-    from molt.stage import StageContext
+    from molt.runtime.stage import StageContext
     from molt.train.model import export_names, load_policy
     from molt.train.publish import publish_weights
 
@@ -421,7 +421,7 @@ def rollout_with_a_dying_engine(tiny_chat_model, tmp_path, monkeypatch, max_rest
 
     import stages.rollout as rollout_stage
     from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-    from molt.stage import StageContext
+    from molt.runtime.stage import StageContext
     from molt.train.model import export_names, load_policy
     from molt.train.publish import publish_weights
 
@@ -502,7 +502,7 @@ def test_an_idle_engine_is_never_hung_and_a_busy_silent_one_is_killed(tiny_chat_
 
     from molt.engines.base import EngineDeadError
     from molt.engines.restart import EngineRestarter, RestartConfig
-    from molt.metrics import MetricsWriter
+    from molt.runtime.metrics import MetricsWriter
 
     engine = Hanging(str(tiny_chat_model), die_after=0)
     restarter = EngineRestarter(RestartConfig(hang_s=1.0), lambda: engine, logging.getLogger("test"),
@@ -559,8 +559,8 @@ def test_a_barrier_and_the_end_wait_for_every_group_to_be_sent_not_only_finished
     import pyarrow as pa
 
     import stages.rollout as rollout_stage
-    from molt.edges import Barrier
-    from molt.stage import StageContext
+    from molt.runtime.edges import Barrier
+    from molt.runtime.stage import StageContext
 
     log: list[str] = []
 

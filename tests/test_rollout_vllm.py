@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from molt.agents import ChatTemplate
-from molt.pipeline import Pipeline
-from molt.recording import read_batches
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import read_batches
 from tests.conftest import run_spec
 
 log = logging.getLogger(__name__)

@@ -186,7 +186,7 @@ def test_bad_routing_is_refused_naming_the_column_the_sample_or_the_key(tiny_moe
 def test_a_pipeline_replaying_routing_that_its_rollout_does_not_record_fails_at_load(tmp_path):
     from pathlib import Path
 
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     text = Path("pipelines/moe.yaml").read_text()
     assert "routing_replay: true" in text and "record_routing: true" in text

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from molt.recording import read_batches
+from molt.runtime.recording import read_batches
 from tests.conftest import SINK, SOURCE, run_spec
 
-MOLT = [sys.executable, "-m", "molt.cli"]
+MOLT = [sys.executable, "-m", "molt.commands.cli"]
 
 
 def chain(*stages, record_last=False, **source_cfg):
@@ -196,7 +196,7 @@ def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_pro
 
 
 def test_stop_when_ends_the_run_cleanly_at_the_first_line_that_meets_it_and_says_when(tmp_path, no_orphans):
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 0.5}}), num_groups=64, group_size=4,
                  groups_per_batch=1)  # 64 batches of 4 rows: 32 s
@@ -218,9 +218,9 @@ def test_stop_when_ends_the_run_cleanly_at_the_first_line_that_meets_it_and_says
 def test_stop_when_counts_only_this_starts_lines_and_an_unlogged_target_is_named(tmp_path):
     import logging
 
-    from molt.pipeline import Pipeline
-    from molt.progress import Progress
-    from molt.targets import warn_unlogged
+    from molt.runtime.pipeline import Pipeline
+    from molt.runtime.progress import Progress
+    from molt.runtime.targets import warn_unlogged
 
     spec = chain(num_groups=1)
     spec["stop_when"] = {"metric": "sink/score", "at_least": 0.5}
@@ -263,10 +263,10 @@ def test_keep_best_keeps_the_checkpoint_at_the_best_step_beside_the_newest(tmp_p
 
 
 def test_without_py_spy_the_stacks_come_from_faulthandler_in_the_log(tmp_path, monkeypatch):
-    from molt.placement import Proc
+    from molt.runtime.placement import Proc
 
     code = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, all_threads=True); time.sleep(60)"
-    proc = Proc.start("w", [sys.executable, "-c", code, "molt.worker"], dict(os.environ), None, tmp_path / "log")
+    proc = Proc.start("w", [sys.executable, "-c", code, "molt.runtime.worker"], dict(os.environ), None, tmp_path / "log")
     try:
         time.sleep(1.0)
         monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -280,7 +280,7 @@ def test_without_py_spy_the_stacks_come_from_faulthandler_in_the_log(tmp_path, m
 def test_a_stop_signal_while_processes_start_is_held_until_they_are_recorded(tmp_path):
     # Python runs a handler that arrives during a fork inside logging's at-fork hook, which swallows the
     # KeyboardInterrupt: 1 in ~10 Ctrl-Cs in a run's first second were lost, the run going on (CI).
-    from molt.placement import Proc, raise_interrupt, stop_signals_deferred
+    from molt.runtime.placement import Proc, raise_interrupt, stop_signals_deferred
 
     started = []
     before = signal.signal(signal.SIGINT, raise_interrupt)
@@ -338,7 +338,7 @@ def test_a_torchrun_group_with_checkpoint_barriers(tmp_path, no_orphans):
 
 
 def test_tcp_edges_bind_to_loopback_and_run_over_curve_with_the_runs_keys(tmp_path, no_orphans):
-    from molt.curve import CurveKeys
+    from molt.runtime.curve import CurveKeys
 
     spec = chain(("shape", "stages.shape_reward.ShapeReward", {"replicas": 2}), record_last=True, num_groups=6)
     spec["transport"] = "tcp"
@@ -386,8 +386,8 @@ def test_a_stage_runs_on_its_cpus_and_results_reach_the_summary(tmp_path, no_orp
 def test_cpus_are_parsed_at_load_and_checked_before_any_process_starts(tmp_path):
     """Availability is the launching machine's fact: a worker pinned to CPU 1 loads the saved pipeline
     that names CPU 0 for another stage (the quickstart's replay failed so)."""
-    from molt.pipeline import Pipeline
-    from molt.runner import Runner
+    from molt.runtime.pipeline import Pipeline
+    from molt.runtime.runner import Runner
 
     spec = chain(num_groups=1)
     spec["stages"]["sink"]["cpus"] = "zero"
@@ -404,8 +404,8 @@ def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_con
     """CI saw source.0 named for boom.0's failure: boom's sockets closed before its status was
     written, and the source, sending to it, failed first with 'cannot reach consumer' (a
     ConsumerGoneError, reported as caused by another stage)."""
-    from molt.runner import Runner
-    from molt.worker import write_status
+    from molt.runtime.runner import Runner
+    from molt.runtime.worker import write_status
 
     class FakeProc:
         def __init__(self, name, code):
@@ -432,7 +432,7 @@ def test_the_root_cause_is_an_own_failure_then_a_death_without_status_then_a_con
 def test_stopping_a_stage_that_is_gone_kills_what_it_left_running_in_its_session(tmp_path):
     """A stage killed outright (the OOM killer) leaves its vLLM engine core running in its session; a runner
     that could not poll meanwhile never saw it as a descendant: stopping the stage still kills it."""
-    from molt.placement import Proc
+    from molt.runtime.placement import Proc
 
     code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "print(p.pid, flush=True)")

@@ -1,10 +1,10 @@
-"""The run's seed: derived streams (molt.seeds), and what the pipeline's ``seed:`` changes."""
+"""The run's seed: derived streams (molt.runtime.seeds), and what the pipeline's ``seed:`` changes."""
 
 import json
 
-from molt.pipeline import Pipeline
-from molt.seeds import derive_seed
-from molt.stage import StageContext
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.seeds import derive_seed
+from molt.runtime.stage import StageContext
 from stages.dataset_source import DatasetSource
 from stages.synthetic_source import SyntheticSource
 
@@ -51,7 +51,7 @@ def test_molt_run_seed_is_the_pipelines_top_level_seed():
 
 
 def test_a_resume_under_another_seed_is_refused_before_anything_starts(tmp_path, capsys):
-    from molt.cli import main
+    from molt.commands.cli import main
 
     (tmp_path / "pipeline.yaml").write_text("name: smoke\nseed: 3\n")
     assert main(["run", "pipelines/smoke.yaml", "--resume", str(tmp_path)]) == 2
@@ -61,7 +61,7 @@ def test_a_resume_under_another_seed_is_refused_before_anything_starts(tmp_path,
 def test_a_resume_of_another_pipeline_is_refused_naming_the_keys_that_differ(tmp_path, capsys):
     import yaml
 
-    from molt.cli import main
+    from molt.commands.cli import main
 
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(Pipeline.from_yaml("pipelines/smoke.yaml").to_dict()))
     assert main(["run", "pipelines/smoke.yaml", "--set", "policy.temperature=0.5", "--resume", str(tmp_path)]) == 2

@@ -7,8 +7,8 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from molt.agents.shapes_env import RETRY, ShapesEnv
-from molt.graders import Grade, GraderConfig, ShapesGrader, parse_count_colour
-from molt.multimodal import decode_image_part
+from molt.tasks.graders import Grade, GraderConfig, ShapesGrader, parse_count_colour
+from molt.models.images import decode_image_part
 from molt.tasks.configs import ShapesTask, TaskConfig
 from molt.tasks.shapes import COLOURS, QUESTION, ShapeProblems, canonical
 

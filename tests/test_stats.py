@@ -1,4 +1,4 @@
-"""Statistics over per-seed results on hand-computed examples (molt/stats.py)."""
+"""Statistics over per-seed results on hand-computed examples (molt/commands/stats.py)."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from molt.stats import compare, first_reach, seeds_needed, summarize
+from molt.commands.stats import compare, first_reach, seeds_needed, summarize
 
 # The module docstring's example: d = 0.08, Welch t = sqrt(9.6) on df = 50/17.
 A = [0.70, 0.74, 0.78]

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from molt.sweep import Sweep, Threshold, arm_values, summarize_runs
+from molt.commands.sweep import Sweep, Threshold, arm_values, summarize_runs
 
 RESULTS = "results={score_mean: sink/score_mean, reward_mean: advantage/reward/mean}"
 
 
 def molt(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "molt.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd)
 
 
@@ -145,7 +145,7 @@ def test_an_unfinished_seed_resumes_from_its_checkpoint_and_one_without_restarts
         def poll(self):
             return 0
 
-    monkeypatch.setattr("molt.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Done())
+    monkeypatch.setattr("molt.commands.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Done())
     out = tmp_path / "sweep"
     out.mkdir()
     earlier = {"started_unix": 1.0, "starts": 1, "status": "running"}
@@ -178,7 +178,7 @@ def started_before_the_first_poll(tmp_path, monkeypatch, overrides):
             counts.append(len(started))
             return 0
 
-    monkeypatch.setattr("molt.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Proc())
+    monkeypatch.setattr("molt.commands.sweep.subprocess.Popen", lambda args, **kw: started.append(args) or Proc())
     Sweep("pipelines/smoke.yaml", overrides, tmp_path / str(len(overrides)), 3).run()
     assert len(started) == 3
     return counts[0]
@@ -208,7 +208,7 @@ def test_ctrl_c_stops_the_running_seed_cleanly_and_a_sweep_again_would_resume_it
     import time
 
     out = tmp_path / "sweep"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "sweep", "pipelines/smoke.yaml", "--seeds", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "molt.commands.cli", "sweep", "pipelines/smoke.yaml", "--seeds", "2",
                              "--out", str(out), "--set", "stages.source.config.num_groups=10000000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

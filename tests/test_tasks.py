@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from molt.pipeline import Pipeline
+from molt.runtime.pipeline import Pipeline
 from molt.tasks import (ArithmeticProblems, ArithmeticTask, JSONLTask, ParquetTask, PromptNode, RecordSet,
                         TaskConfig, final_answer, prompt_batches, read_gsm8k)
 from molt.tasks.arithmetic import canonical
@@ -192,7 +192,7 @@ def test_an_endless_stream_is_split_across_replicas_by_index():
 
 
 def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     spec = {"stages": {"source": {"class": "stages.dataset_source.DatasetSource",
                                   "config": {"task": {"type": "gsm8k", "path": "/nonexistent/test.jsonl"}}},
@@ -208,7 +208,7 @@ def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
 
 
 def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anything_starts(tmp_path, capsys):
-    from molt.cli import main
+    from molt.commands.cli import main
 
     rows = [{"prompt_id": "q1", "prompt": "1+1?", "answer": "2"}, {"prompt_id": "q2", "prompt": "2+2?", "answer": "4"},
             {"prompt_id": "q1", "prompt": "3+3?", "answer": "6"}]

@@ -187,7 +187,7 @@ def test_forcing_a_call_is_refused_since_it_would_change_what_is_sampled(chat):
 
 def test_molt_inspect_shows_a_tool_turn_as_policy_and_context_lines(chat, tmp_path):
     from molt.agents import episode_rows
-    from molt.recording import RecordWriter, summarize
+    from molt.runtime.recording import RecordWriter, summarize
     from molt.schema import COLUMNS, batch_from_rows, make_schema
 
     ep, _ = episode(chat, [CALL, "The answer is 5535."])
@@ -233,8 +233,8 @@ def test_a_demonstration_is_laid_out_token_for_token_as_the_agents_rollout_of_it
 
 def test_an_agent_is_evaluated_on_its_last_reply_with_its_tool_calls(chat):
     from molt.agents.python_agent import PythonAgent
-    from molt.evaluation import EvalTask, evaluate
-    from molt.graders import MathGrader
+    from molt.agents.evaluation import EvalTask, evaluate
+    from molt.tasks.graders import MathGrader
 
     problems = [{"messages": [{"role": "user", "content": "What is 12 * 34?"}], "answer": "408"}]
     call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(12 * 34)"}}\n</tool_call>'
@@ -298,7 +298,7 @@ def test_a_tool_result_that_fills_the_context_ends_the_episode_as_length_not_as_
 
 
 def test_the_tool_format_is_a_policy_fact_that_rollout_evaluation_and_sft_records_share():
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     pipe = Pipeline.from_yaml("pipelines/agent_tools.yaml", ["policy.tool_parser=molt.agents.tools.HermesParser"])
     assert {pipe.stages[s].config.tool_parser for s in ("rollout", "evaluate")} == {"molt.agents.tools.HermesParser"}

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from molt.recording import read_batches
+from molt.runtime.recording import read_batches
 from molt.schema import batch_from_rows
-from molt.stage import StageContext
+from molt.runtime.stage import StageContext
 from molt.train import ObjectiveConfig, OptimConfig, check_staleness, full_state_dict, train_step
 from molt.train.attention import packed_sdpa, row_lengths, supports_packed_sdpa
 from molt.train.logprobs import target_logprobs

@@ -1,4 +1,4 @@
-"""Vision-language policies: images in the record, the engine and the trainer (molt.multimodal).
+"""Vision-language policies: images in the record, the engine and the trainer (molt.models.images).
 
 The policy is a LLaVA-style VLM built by molt.models.vlm from a tiny 2-layer MoE with
 SmolLM2's tokenizer (fast); vLLM serves it in the session's event loop.
@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from molt.agents import ChatTemplate
 from molt.agents.episode import Segment
 from molt.engines.base import SamplingParams
-from molt.multimodal import VisionProcessor, image_part, packed_vision_inputs
+from molt.models.images import VisionProcessor, image_part, packed_vision_inputs
 from molt.train.packing import pack_sequences
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -356,8 +356,8 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     import subprocess
     import sys
 
-    from molt.pipeline import Pipeline
-    from molt.recording import read_batches
+    from molt.runtime.pipeline import Pipeline
+    from molt.runtime.recording import read_batches
     from tests.conftest import run_spec
 
     pytest.importorskip("vllm")
@@ -392,13 +392,13 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     rows = [r for b in read_batches(recorded) for r in b.to_pylist()]
     assert len(rows) >= 16 and all(len(r["images"]) == 1 and len(r["image_token_positions"]) == 16 for r in rows)
     assert all(r["routed_experts"] is not None and r["score"] in (0.0, 1.0) for r in rows)
-    from molt.recording import summarize
+    from molt.runtime.recording import summarize
 
     assert '"<' in summarize(recorded) and "images" in summarize(recorded)  # molt inspect shows bytes by size
     for r in rows:  # the picture in the row is the task's picture
         task = json.loads(r["metadata"])
         assert r["images"][0] == ChatTemplate.for_model(export).images(task["messages"])[0]
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
+    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
                           "--run-dir", str(tmp_path / "replay"), "--set", f"policy.model={export}",
                           "--set", f"stages.evaluate.config.engine={json.dumps(hf)}",
                           "--set", "stages.evaluate.config.task.num_problems=8",
@@ -412,7 +412,7 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
 
 
 def test_the_vlm_pipelines_load_and_the_gpu_recipe_shards_engines_and_trainer():
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
     cpu, gpu = Pipeline.from_yaml("pipelines/vlm_moe.yaml"), Pipeline.from_yaml("pipelines/vlm_moe_gpu.yaml")
     assert cpu.stages["rollout"].config.engine.record_routing and cpu.stages["train"].config.routing_replay

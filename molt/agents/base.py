@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from molt.agents.tools import Tool
 
-# {"role": "user" | "assistant" | "system" | "tool", "content": str | list of text/image parts (molt.multimodal)}
+# {"role": "user" | "assistant" | "system" | "tool", "content": str | list of text/image parts (molt.models.images)}
 Message = dict[str, Any]
 
 

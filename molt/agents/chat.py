@@ -11,7 +11,7 @@ caller starts a new segment.
 
 Images (a vision-language model, ``vision`` given): image parts of messages render as
 the processor's placeholder and each placeholder token becomes that image's image tokens
-(molt.multimodal); ``images(messages)`` returns their encoded bytes in the same order.
+(molt.models.images); ``images(messages)`` returns their encoded bytes in the same order.
 
 Tools (``tools``: OpenAI tool definitions): rendered by the template where it renders tools,
 else by the documented fallback of the tool parser's format (molt.agents.tools).
@@ -24,7 +24,7 @@ from typing import Any
 
 from molt.agents.base import Message
 from molt.agents.tools import HermesParser, ToolParser, fallback_messages, template_messages, tool_parser
-from molt.multimodal import VisionProcessor, flatten_messages
+from molt.models.images import VisionProcessor, flatten_messages
 
 _PROBE = "\u2063molt-probe\u2063"
 _PROBE_TOOL = {"type": "function", "function": {"name": "molt_probe", "description": "",
@@ -71,12 +71,12 @@ class ChatTemplate:
         return self.vision.image_token_id if self.vision is not None else None
 
     def images(self, messages: list[Message]) -> list[bytes]:
-        """Encoded bytes of the messages' image parts, in order (molt.multimodal)."""
+        """Encoded bytes of the messages' image parts, in order (molt.models.images)."""
         return flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")[1]
 
     def encode(self, text: str, images: list[bytes] | None = None) -> list[int]:
         """Token ids of template text (special tokens parsed, no BOS added), each image placeholder
-        expanded into the tokens of the next of ``images`` (molt.multimodal)."""
+        expanded into the tokens of the next of ``images`` (molt.models.images)."""
         ids = list(self.tok.encode(text, add_special_tokens=False))
         return self.vision.expand(ids, images or []) if self.vision is not None else ids
 

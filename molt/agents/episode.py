@@ -40,7 +40,7 @@ from molt.engines.base import Completion, Engine, SamplingParams
 class Segment:
     """Per-token lists of one row, all of length T; ``routed_experts`` int16 [T, L, k] or None;
     ``images`` the encoded images whose tokens the row holds, in order, and
-    ``image_token_id`` the id of their tokens (molt.multimodal; None for a text-only model).
+    ``image_token_id`` the id of their tokens (molt.models.images; None for a text-only model).
 
     Routing (when the engine records it): each turn's completion covers the whole
     sequence so far (prompt, earlier turns, env tokens, its own tokens); a position keeps
@@ -128,7 +128,7 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
 
     Raises:
         ValueError: the opening prompt is empty or does not fit ``max_total_tokens``, or a VLM
-            policy generated its image token (molt.multimodal).
+            policy generated its image token (molt.models.images).
         AgentError: ``env.reset`` or ``env.step`` raised (the caller counts the failure).
     """
     messages: list[Message] = list(_call_env(env.reset, task, request_id))

@@ -3,7 +3,7 @@
 Each rollout: a system message asking it to compute with the tool, the task's messages, then the
 OpenAI tool loop (ask with ``tools``, run every call in the sandbox, send the results back) until a
 reply calls no tool or ``max_calls`` turns have called one; the reward is the math grader's score of
-the last reply against the task's ``answer`` (molt.graders). ``demonstration(task)`` is the same
+the last reply against the task's ``answer`` (molt.tasks.graders). ``demonstration(task)`` is the same
 conversation done right (one call that prints the result, then the number), for a supervised
 warm-up (stages.sft_records ``demonstrations``).
 
@@ -21,7 +21,7 @@ from molt.agents.base import Message
 from molt.agents.openai_server import ChatAgent
 from molt.agents.sandbox import PythonTool, Sandbox
 from molt.agents.tools import ToolCall, run_tool
-from molt.graders import MathGrader
+from molt.tasks.graders import MathGrader
 
 SYSTEM = "You are a careful assistant. Compute with the python tool, then answer with just the number."
 

@@ -1,7 +1,7 @@
 """A two-try env for the shapes task (:mod:`molt.tasks.shapes`): one hint after a wrong answer.
 
 The policy sees the picture and question; its answer is read as the shapes grader
-reads it (:func:`molt.graders.parse_count_colour`: first count, first colour word).
+reads it (:func:`molt.tasks.graders.parse_count_colour`: first count, first colour word).
 Right -> reward 1.0, episode over. Wrong on the first turn -> reward 0.0 and the reply
 :data:`RETRY` (the episode goes on only when the rollout's ``max_turns`` >= 2). Wrong on
 the second turn -> reward 0.0, episode over. Every step's ``info`` is
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from molt.agents.base import Env, Message, Result
-from molt.graders import parse_count_colour
+from molt.tasks.graders import parse_count_colour
 
 RETRY = "Not quite. Look again: how many shapes, and what colour? Answer like: 3 red"
 MAX_TRIES = 2

@@ -173,7 +173,7 @@ class Engine(abc.ABC):
 
         ``images``: encoded images (PNG/JPEG bytes) of a vision-language model's prompt,
         in order; ``prompt_token_ids`` hold each image's image tokens (their count per image:
-        `molt.multimodal.VisionProcessor.token_counts`), exactly as the model's forward sees them.
+        `molt.models.images.VisionProcessor.token_counts`), exactly as the model's forward sees them.
 
         Raises:
             ValueError: for an empty prompt, a request id already in flight, or image

@@ -9,16 +9,16 @@ default, so its recorded logprobs are those of the distribution it sampled:
 
 With temperature 0 it takes argmax(logits) and records log_softmax(logits)[token].
 
-Vision-language folders (molt.multimodal) load as ``AutoModelForImageTextToText``; a
+Vision-language folders (molt.models.images) load as ``AutoModelForImageTextToText``; a
 request's images enter its first forward through the model's image processor. A model
 with multimodal RoPE (Qwen-VL) gets explicit position ids on every forward: the prompt's
-(t, h, w) positions (molt.multimodal.mrope_positions, as the trainer computes them) and,
+(t, h, w) positions (molt.models.images.mrope_positions, as the trainer computes them) and,
 for each later token, its cache position plus the prompt's offset (max position + 1 - P),
 kept per request; the model's own cached offset would be another request's when
 requests interleave.
 
-Seeding: a request with `seed=s` (else the engine's `seed`, the run's: molt.seeds)
-samples from a torch generator seeded with molt.seeds.derive_seed(s, request_id),
+Seeding: a request with `seed=s` (else the engine's `seed`, the run's: molt.runtime.seeds)
+samples from a torch generator seeded with molt.runtime.seeds.derive_seed(s, request_id),
 so the same (seed, request_id) reproduces the same completion across runs, and n
 samples of one prompt sent with one seed and ids "p/0".."p/3" draw four independent
 streams; with neither seed, fresh randomness.
@@ -39,9 +39,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreT
 from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
 from molt.engines.refit import check_weights_file, read_adapter
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
-from molt.multimodal import VisionProcessor, mrope_positions
+from molt.models.images import VisionProcessor, mrope_positions
 from molt.refit import PEFT_PREFIX, tensor_digest
-from molt.seeds import derive_seed
+from molt.runtime.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TransformersEngine(Engine):
         record_routing: record the experts each MoE router chose for every token it
             processed (forward hooks on the routers, molt.train.moe.routers) as
             `Completion.routed_experts`; ValueError for a dense model.
-        seed: the seed of requests that bring none (the run's: molt.seeds); None = fresh randomness.
+        seed: the seed of requests that bring none (the run's: molt.runtime.seeds); None = fresh randomness.
     """
 
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
@@ -127,7 +127,7 @@ class TransformersEngine(Engine):
 
         Raises:
             ValueError: also for ``images`` given to a text-only model or not matching the prompt's
-                image tokens (molt.multimodal.VisionProcessor.check).
+                image tokens (molt.models.images.VisionProcessor.check).
         """
         check_prompt(request_id, prompt_token_ids)
         self._check_open()

@@ -117,7 +117,7 @@ def _meta_model(model_dir: str) -> Any:  # a transformers PreTrainedModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):  # a vision-language folder: as molt.multimodal.VisionProcessor.of tells one
+    with torch.device("meta"):  # a vision-language folder: as molt.models.images.VisionProcessor.of tells one
         return (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
                 ).from_config(config)
 
@@ -173,7 +173,7 @@ async def apply_weight_record(engine: Engine, record: dict[str, Any]) -> bool:
 
 
 async def refit_from(engine: Engine, port: Any, item: pa.RecordBatch) -> tuple[float, pa.RecordBatch] | None:
-    """`apply_weight_record` of record batch ``item``, from broadcast input ``port`` (molt.ports.InputPort);
+    """`apply_weight_record` of record batch ``item``, from broadcast input ``port`` (molt.runtime.ports.InputPort);
     the seconds it took and the record batch applied, or None if it was not newer.
 
     The record's file is pinned first (`pinned`): a trainer that keeps few versions may delete

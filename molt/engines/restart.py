@@ -19,7 +19,7 @@ A hung engine (a deadlocked or stopped engine core) is made dead: every ``hang_s
 restarted as a dead one, within the same ``max``. An idle engine is never hung, nor one that takes
 streamed refits (its refit waits for the slowest peer, and it cannot be restarted). vLLM reports a
 request's output only when it ends, so ``hang_s`` must exceed the longest time between two completions
-(a batch of long ones started together); the run's ``watchdog_s`` (molt.runner) must exceed ``hang_s``
+(a batch of long ones started together); the run's ``watchdog_s`` (molt.runtime.runner) must exceed ``hang_s``
 and a restart, or it stops the run first. A new engine that dies or hangs while it loads the weights
 is one more death, and is replaced in turn.
 
@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt.engines.base import Engine, EngineDeadError, T
 from molt.engines.refit import refit_from
-from molt.metrics import MetricsWriter
+from molt.runtime.metrics import MetricsWriter
 
 class RestartConfig(BaseModel):
     """How often a dead engine is restarted, and when a silent one is hung (rollout key ``engine_restarts``)."""
@@ -60,7 +60,7 @@ class EngineRestarter:
     def __init__(self, config: RestartConfig, start: Callable[[], Engine], log: logging.Logger,
                  metrics: MetricsWriter, port: Any = None) -> None:
         self.config, self.start, self.log, self.metrics = config, start, log, metrics
-        self.port = port  # the rollout's weights input (molt.ports.InputPort); None: no refits
+        self.port = port  # the rollout's weights input (molt.runtime.ports.InputPort); None: no refits
         self.engine = start()
         self.generation = 0  # restarts so far: a group that failed under an older one just retries
         self.holders: list[Any] = []  # objects whose ``engine`` attribute follows the current engine

@@ -56,7 +56,7 @@ from molt.engines.refit import check_weights_file, file_digests
 from molt.engines.vllm_lora import Adapters, engine_kwargs as lora_engine_kwargs, load_merged
 from molt.engines.vllm_routing import routed_experts, same_result
 from molt.models.layout import checkpoint_shapes
-from molt.multimodal import VisionProcessor, decode_images
+from molt.models.images import VisionProcessor, decode_images
 from molt.refit import check_covers
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ class VLLMEngine(Engine):
             await self._adapters.retire(llm, self._version)
         if images and final is not None and list(final.prompt_token_ids or ()) != list(prompt_token_ids):
             raise RuntimeError(f"request {request_id!r}: vLLM expanded the image placeholders into "
-                               f"{len(final.prompt_token_ids or ())} prompt tokens, molt.multimodal into "
+                               f"{len(final.prompt_token_ids or ())} prompt tokens, molt.models.images into "
                                f"{len(prompt_token_ids)}; the processor configs disagree")
         completion = self._completion(request_id, final, version, adapter is not None)
         if self.routing_shape is not None:

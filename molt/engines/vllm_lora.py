@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from molt.engines.refit import file_digests, merged_checkpoint, read_adapter
 from molt.refit import ADAPTER_FILE, state_digests
-from molt.stage import scratch_folder
+from molt.runtime.stage import scratch_folder
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

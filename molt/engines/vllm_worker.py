@@ -44,7 +44,7 @@ from torch import nn
 
 from molt.engines.refit import iter_weights
 from molt.engines.vllm_routing import RoutingRecorder
-from molt.memory import release_freed_memory
+from molt.runtime.memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class MoltWorkerExtension:
             weights_iterator=iter_weights(path, digests if digest else None), is_checkpoint_format=True)
         repack_tied_layers(model, names)
         repack_cpu_experts(model)
-        release_freed_memory()  # the reload's copies (molt.memory)
+        release_freed_memory()  # the reload's copies (molt.runtime.memory)
         seconds = time.perf_counter() - start
         logger.info("molt: reloaded weights from %s in %.2f s", path, seconds)
         return {"digests": digests, "seconds": seconds}

@@ -8,7 +8,7 @@ JSONL/Parquet file of such records; select one in YAML with ``task: {type: ...}`
 """
 
 from molt.tasks.arithmetic import ArithmeticProblems
-from molt.tasks.configs import ArithmeticTask, GSM8KTask, JSONLTask, ParquetTask, TaskConfig, preflight_task, preflight_tasks
+from molt.tasks.configs import ArithmeticTask, GSM8KTask, JSONLTask, ParquetTask, TaskConfig, preflight_task
 from molt.tasks.cursor import PromptNode, prompt_batches
 from molt.tasks.gsm8k import final_answer, read_gsm8k
 from molt.tasks.records import Record, RecordSet, Task, generic_record, read_jsonl, read_parquet, read_prompts

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from molt.config import FrozenConfig
 from molt.tasks.arithmetic import ArithmeticProblems
@@ -26,7 +26,10 @@ from molt.tasks.shapes import ShapeProblems
 
 
 class _TaskConfig(FrozenConfig):
-    """A task's config (`preflight_tasks` finds them by this base)."""
+    """A task's config; `Stage.preflight` finds it in a stage's config by its ``preflight`` method."""
+
+    def preflight(self, where: str) -> None:
+        preflight_task(self, where)
 
 
 class ArithmeticTask(_TaskConfig):
@@ -154,17 +157,6 @@ class ParquetTask(_FileTask):
 
 TaskConfig = Annotated[Union[ArithmeticTask, ShapesTask, GSM8KTask, JSONLTask, ParquetTask],
                        Field(discriminator="type")]
-
-
-def preflight_tasks(config: Any, where: str) -> None:
-    """`preflight_task` of every task ``config`` (a stage's config) holds, in its fields and mappings at any
-    depth, each named by its key under ``where``: ``stages.evaluate.config.tasks.gsm8k.task``."""
-    if isinstance(config, _TaskConfig):
-        preflight_task(config, where)
-    elif isinstance(config, BaseModel | dict):
-        items = config.items() if isinstance(config, dict) else ((k, getattr(config, k)) for k in type(config).model_fields)
-        for key, value in items:
-            preflight_tasks(value, f"{where}.{key}")
 
 
 def preflight_task(config: Any, where: str) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from molt.multimodal import image_part
+from molt.models.images import image_part
 from molt.tasks.records import Record
 
 #: Saturated RGB (one channel 0) of each colour, as drawn.

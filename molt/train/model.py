@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt.memory import release_freed_memory
+from molt.runtime.memory import release_freed_memory
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
-from molt.multimodal import VisionInputs, VisionProcessor, mrope_positions, packed_vision_inputs, row_images
+from molt.models.images import VisionInputs, VisionProcessor, mrope_positions, packed_vision_inputs, row_images
 from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
                                   supports_packed_sdpa)
 from molt.train.logprobs import target_logprobs, target_logprobs_entropy
@@ -103,7 +103,7 @@ class PolicyModel(nn.Module):
 
     ``router_hooks``: a MoE model's molt.train.moe.RouterHooks (expert load, router
     logits of the latest forward); None for a dense model. ``vision``: a vision-language
-    model's processor (molt.multimodal), None for a text-only model.
+    model's processor (molt.models.images), None for a text-only model.
     """
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024,
@@ -141,7 +141,7 @@ class PolicyModel(nn.Module):
         ``self.entropy`` [sum of row lengths] holds the entropy (nats, no gradient) of the
         sampling distribution at those tokens (0 elsewhere; molt.train.logprobs).
         ``vision_inputs``: the images whose tokens ``input_ids`` hold (a vision-language model
-        and ``packed``; molt.multimodal.packed_vision_inputs). A model with multimodal RoPE
+        and ``packed``; molt.models.images.packed_vision_inputs). A model with multimodal RoPE
         (Qwen-VL) gets position ids [4, 1, S]: the packed positions (row boundaries for
         attention) over each row's (t, h, w) positions (`mrope_packed`).
         """
@@ -171,7 +171,7 @@ class PolicyModel(nn.Module):
         return torch.zeros(sum(packed.lengths), device=device).index_put((slot,), logp)
 
     def mrope_packed(self, packed: PackedSequence, vision_inputs: VisionInputs) -> Tensor | None:
-        """[3, 1, S] multimodal RoPE positions of a packed sequence (molt.multimodal.mrope_positions of
+        """[3, 1, S] multimodal RoPE positions of a packed sequence (molt.models.images.mrope_positions of
         each row, written at its packed positions: a shared prompt gets the same values from each of
         its rows); None for a model without multimodal RoPE."""
         rope_index = getattr(self.lm.model, "get_rope_index", None)
@@ -192,12 +192,12 @@ class PolicyModel(nn.Module):
                      compare: bool = False) -> RowsForward:
         """One packed forward of a micro-batch's rows, all a model family needs done in one place:
         shared prompts forwarded once where attention allows (`shares_prompts`), a VLM's images in
-        packed order (molt.multimodal), a MoE's router hooks given the engine's experts (column
+        packed order (molt.models.images), a MoE's router hooks given the engine's experts (column
         ``routed_experts``; ``replay``: route by them, R3) and, with ``compare``, one more no-grad
         forward with replay the other way. ``mask``: the rows' loss masks [B, T] (bool).
 
         Raises:
-            ValueError: images that do not match the rows (molt.multimodal), or recorded experts the
+            ValueError: images that do not match the rows (molt.models.images), or recorded experts the
                 model does not have (molt.train.moe.packed_engine_routing).
         """
         loss_masks, rows, sample_ids = (mb.column(c).to_pylist() for c in ("loss_mask", "token_ids", "sample_id"))

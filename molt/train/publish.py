@@ -38,7 +38,7 @@ import torch
 from molt.refit import (ADAPTER_FILE, DEFAULT_ATOL, LOW_PRECISION_ATOL, NCCLTransport, Probe, PublishConfig, check_transport,
                         probe_token_ids, state_digests, weight_record)
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-from molt.stage import run_owned, scratch_folder
+from molt.runtime.stage import run_owned, scratch_folder
 from molt.train.lora import adapter_state, adapters_only, outside_language_model, write_adapter_config
 from molt.train.model import full_state_dict
 

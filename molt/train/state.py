@@ -1,4 +1,4 @@
-"""Saving and restoring the trainer's part of a pipeline checkpoint (molt.checkpoint).
+"""Saving and restoring the trainer's part of a pipeline checkpoint (molt.runtime.checkpoint).
 
 In a checkpoint folder, for a train stage with id ``train``::
 

@@ -44,7 +44,7 @@ from molt.algorithms import apply_correction, merge_token_metrics, policy_step_m
 from molt.algorithms.loss_configs import (AggregationConfig, CorrectionConfig, KLConfig, NoCorrectionConfig,
                                           PolicyLossConfig, PPOLossConfig, TokenMeanConfig)
 from molt.columns import padded
-from molt.memory import release_freed_memory
+from molt.runtime.memory import release_freed_memory
 from molt.schema import make_schema
 from molt.train.model import PolicyModel
 from molt.train.moe import load_metrics

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import zmq.asyncio
 
-from molt.ports import InputPort, OutputPort
-from molt.edges import EdgeSpec
+from molt.runtime.ports import InputPort, OutputPort
+from molt.runtime.edges import EdgeSpec
 
 SCHEMA = pa.schema([("x", pa.int64())])
 

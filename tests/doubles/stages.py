@@ -13,9 +13,9 @@ from typing import ClassVar
 import pyarrow as pa
 from pydantic import Field
 
-from molt.edges import Barrier
+from molt.runtime.edges import Barrier
 from molt.schema import WEIGHT_VERSION_SCHEMA, batch_from_rows
-from molt.stage import Port, Service, StageConfig, Transform
+from molt.runtime.stage import Port, Service, StageConfig, Transform
 
 COUNT_FIELD = pa.field("group_total", pa.int64())
 
@@ -177,7 +177,7 @@ class ModelMaker(Counter):
 
 class Placement(Transform):
     """A sink that logs the CPUs it may run on, its OpenMP thread count, its GPU, and
-    whether its parent is a Ray actor (molt.placement_ray's launcher)."""
+    whether its parent is a Ray actor (molt.runtime.ray's launcher)."""
 
     outputs: ClassVar[dict[str, Port]] = {}
 

@@ -1,5 +1,5 @@
 """``molt eval``: a model folder, a built-in name or a run directory at a policy version, evaluated on one
-or several tasks (molt.evaluation) on a fresh engine; the report as a table and as JSON.
+or several tasks (molt.agents.evaluation) on a fresh engine; the report as a table and as JSON.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import yaml
 
 from molt.agents import ChatTemplate
 from molt.config import validate
-from molt.evaluation import EvalTask, EvaluationConfig, evaluate, load_problems
-from molt.pipeline import Pipeline
+from molt.agents.evaluation import EvalTask, EvaluationConfig, evaluate, load_problems
+from molt.runtime.pipeline import Pipeline
 
 # A bare --task NAME: the held-out split of a generated task, the test set the project ships.
 NAMED_TASKS: dict[str, dict[str, Any]] = {
@@ -89,7 +89,7 @@ def resolve_target(target: str, version: int | None) -> tuple[Path, int | None, 
     Raises:
         ValueError: no checkpoint at ``version`` (listing those there are), or ``version`` given for a model.
     """
-    from molt.checkpoint import checkpoint_at_version, replica_names, trainer_checkpoints
+    from molt.runtime.checkpoint import checkpoint_at_version, replica_names, trainer_checkpoints
     from molt.models import resolve_model
 
     run = Path(target)
@@ -111,7 +111,7 @@ async def evaluate_model(model_dir: Path, engine_config: Any, tasks: dict[str, E
     """Start one engine on ``model_dir`` and evaluate it on each task (the module docstring; samples at
     the task's temperature, else ``temperature``; an agent's tool calls read with ``tool_parser``); per task
     name: the metrics with ``num_problems``, ``seconds`` (wall time of that task), ``samples`` and ``temperature``."""
-    from molt.engines.config import make_engine
+    from molt.engines import make_engine
 
     problems = {name: load_problems(t.task, f"--task {name}") for name, t in tasks.items()}
     chat, report = ChatTemplate.for_model(model_dir, tool_parser, "policy.tool_parser"), {}

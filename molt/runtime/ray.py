@@ -1,4 +1,4 @@
-"""The Ray placement backend (``placement: {backend: ray}``; the contract is in molt.placement).
+"""The Ray placement backend (``placement: {backend: ray}``; the contract is in molt.runtime.placement).
 
 Each process is started by a :class:`Launcher` actor; a stage that asks for resources
 reserves its launchers as one placement group first. Ray is imported only here.
@@ -21,10 +21,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from molt.placement import FORWARDED_ENV, PlacementError, PlacementSpec, Proc, StagePlacement, free_port
+from molt.runtime.placement import FORWARDED_ENV, PlacementError, PlacementSpec, Proc, StagePlacement, free_port
 
 if TYPE_CHECKING:
-    from molt.pipeline import Pipeline
+    from molt.runtime.pipeline import Pipeline
 
 
 class Launcher:
@@ -83,7 +83,7 @@ class Launcher:
 
 
 class RayProc:
-    """The runner's handle of a process started by a launcher (the interface of molt.placement.Proc)."""
+    """The runner's handle of a process started by a launcher (the interface of molt.runtime.placement.Proc)."""
 
     def __init__(self, name: str, actor: Any, ref: Any, log_path: Path, pid: int, node_id: str) -> None:
         self.name, self.actor, self.ref, self.log_path, self.pid, self.node_id = name, actor, ref, log_path, pid, node_id

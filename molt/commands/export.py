@@ -30,7 +30,7 @@ def export_run(run_dir: Path, version: int | None, out: Path) -> tuple[Path, int
         ValueError: ``run_dir`` is no run directory, it has no complete checkpoint at ``version``
             (listing those there are), or ``out`` exists.
     """
-    from molt.eval_command import resolve_target
+    from molt.commands.eval import resolve_target
 
     if not (run_dir / "pipeline.yaml").is_file():
         raise ValueError(f"molt export: {str(run_dir)!r} is not a run directory (no pipeline.yaml)")

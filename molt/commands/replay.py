@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from molt.config import apply_override
-from molt.pipeline import Pipeline
-from molt.recording import edge_dirname as edge_dir
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.recording import edge_dirname as edge_dir
 
 
 def replay_spec(data: dict[str, Any], recording: str, into: str, source: str) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def replay_from_step(run_dir: Path, step: int, overrides: list[str]) -> tuple[Pi
     Raises:
         ValueError: no such checkpoint, or no recorded trajectory edge before the trainer.
     """
-    from molt.checkpoint import checkpoint_at_version, read_replica_state, replica_names
+    from molt.runtime.checkpoint import checkpoint_at_version, read_replica_state, replica_names
 
     source = str(run_dir / "pipeline.yaml")
     data = yaml.safe_load(Path(source).read_text())

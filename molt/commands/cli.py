@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from molt.config import apply_override, differing_keys, load_yaml
-from molt.pipeline import Pipeline
-from molt.placement import catch_stop_signals
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.placement import catch_stop_signals
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -73,7 +73,8 @@ def check_torchvision() -> None:
 def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> int:
     """Run ``pipe`` in ``run_dir`` (new or empty unless ``resume`` is True; a checkpoint
     folder as ``resume`` restores a new run's stages from it)."""
-    from molt.runner import Runner, default_run_dir, make_required
+    from molt.commands.run import make_required
+    from molt.runtime.runner import Runner, default_run_dir
 
     check_torchvision()
     pipe.preflight()
@@ -88,8 +89,8 @@ def _run(pipe: Pipeline, run_dir: str | None, resume: bool | Path = False) -> in
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Run a pipeline once per seed and summarise the seeds (molt.sweep)."""
-    from molt.sweep import Sweep, Threshold
+    """Run a pipeline once per seed and summarise the seeds (molt.commands.sweep)."""
+    from molt.commands.sweep import Sweep, Threshold
 
     if args.lower_bound and not args.threshold:
         raise ValueError("--lower-bound applies to --threshold; got no --threshold; hint: --threshold KEY=VALUE")
@@ -104,9 +105,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Compare two arms of runs on one metric (molt.stats.compare); prints the verdict."""
-    from molt.stats import compare
-    from molt.sweep import arm_values
+    """Compare two arms of runs on one metric (molt.commands.stats.compare); prints the verdict."""
+    from molt.commands.stats import compare
+    from molt.commands.sweep import arm_values
 
     a, b = arm_values(args.a, args.metric), arm_values(args.b, args.metric)
     result = compare(list(a.values()), list(b.values()), args.metric, args.margin, args.confidence)
@@ -119,8 +120,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluate a model, or a run at a policy version, on one or several tasks (molt.eval_command)."""
-    from molt.eval_command import describe, eval_report
+    """Evaluate a model, or a run at a policy version, on one or several tasks (molt.commands.eval)."""
+    from molt.commands.eval import describe, eval_report
 
     report = eval_report(args.target, args.version, args.task, args.samples, args.temperature, args.num_problems,
                          args.engine, args.seed)
@@ -131,8 +132,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a run's trained policy at a version as a Hugging Face folder (molt.export)."""
-    from molt.export import export_run
+    """Write a run's trained policy at a version as a Hugging Face folder (molt.commands.export)."""
+    from molt.commands.export import export_run
 
     out, version = export_run(Path(args.run_dir), args.version, Path(args.out))
     print(f"{out} (policy version {version} of {args.run_dir})")
@@ -146,7 +147,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from molt.replay_command import recorded_consumer, replay_from_step, replay_spec
+    from molt.commands.replay import recorded_consumer, replay_from_step, replay_spec
 
     if args.from_step is not None:
         pipe, folder = replay_from_step(Path(args.recording), args.from_step, args.set)
@@ -168,7 +169,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from molt.recording import summarize
+    from molt.runtime.recording import summarize
 
     tokenizer = None
     if args.tokenizer:
@@ -182,7 +183,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from molt.plot import plot_run, plot_sweeps
+    from molt.commands.plot import plot_run, plot_sweeps
 
     dirs = [Path(d) for d in args.run_dir]
     for path in plot_sweeps(dirs) if (dirs[0] / "sweep.json").is_file() or len(dirs) > 1 else plot_run(dirs[0]):
@@ -217,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="a new or empty folder for the run (default: runs/NAME-TIMESTAMP)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest complete "
                      "checkpoint (same pipeline and --set values)")
-    run.add_argument("--seed", type=int, help="the run's seed (as --set seed=N; molt.seeds)")
+    run.add_argument("--seed", type=int, help="the run's seed (as --set seed=N; molt.runtime.seeds)")
     _eval_commands(sub)
     sweep = _statistics_commands(sub)
     graph = sub.add_parser("graph", help="print the validated DAG")
@@ -274,7 +275,7 @@ def _eval_commands(sub: Any) -> None:
     ev.add_argument("target", help="a run directory (its checkpoints), a model folder or a built-in model name")
     ev.add_argument("--version", type=int, help="a run's policy version (a complete checkpoint; default: the newest)")
     ev.add_argument("--task", action="append", default=[], help="arithmetic, shapes, gsm8k, a pipeline file or a "
-                    "YAML mapping, again for several (molt.eval_command.parse_task); default: the run's evaluation")
+                    "YAML mapping, again for several (molt.commands.eval.parse_task); default: the run's evaluation")
     ev.add_argument("--samples", type=int, help="k samples per problem besides the greedy one (default: 1)")
     ev.add_argument("--temperature", type=float, help="of the samples (default: the policy's, else 1.0)")
     ev.add_argument("--num-problems", type=int, help="the first N problems of each task")

@@ -13,7 +13,7 @@ Hooks every kind may add: ``setup()``, ``close()`` (idempotent), ``state_dict()`
 ``load_state_dict()`` (JSON state, saved at each checkpoint barrier and given back
 after ``setup()`` when a run resumes), and for bulky state ``save_checkpoint(folder)``
 / ``load_checkpoint(folder)`` (call ``super()`` so the JSON is written last; see
-molt.checkpoint).
+molt.runtime.checkpoint).
 
 Columns: each input :class:`Port` names the columns it ``reads``; each output port
 names the columns it ``writes`` and the input whose columns it ``passes`` through, or
@@ -34,11 +34,11 @@ from typing import Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from molt.checkpoint import checkpoint_dir, read_replica_state, write_json_atomic
-from molt.edges import Barrier
-from molt.metrics import MetricsWriter, get_logger
-from molt.ports import InputPort, OutputPort
-from molt.seeds import derive_seed
+from molt.runtime.checkpoint import checkpoint_dir, read_replica_state, write_json_atomic
+from molt.runtime.edges import Barrier
+from molt.runtime.metrics import MetricsWriter, get_logger
+from molt.runtime.ports import InputPort, OutputPort
+from molt.runtime.seeds import derive_seed
 
 
 SCRATCH_ENV = "MOLT_SCRATCH"  # the run's scratch folder, set by the runner for its workers
@@ -97,13 +97,24 @@ class StageContext:
     outputs: dict[str, OutputPort] = field(default_factory=dict)
     metrics: MetricsWriter | None = None
     resume_from: Path | None = None  # checkpoint folder this run resumes from
-    seed: int = 0  # the pipeline's seed (molt.seeds)
+    seed: int = 0  # the pipeline's seed (molt.runtime.seeds)
     subscribed: set[str] = field(default_factory=set)  # outputs with at least one edge
 
     def seed_for(self, *parts: object) -> int:
         """This stage's own seed, derived from the run's: ``derive_seed(seed, stage_id, *parts)``
-        (pass the replica as a part where replicas must draw apart; molt.seeds)."""
+        (pass the replica as a part where replicas must draw apart; molt.runtime.seeds)."""
         return derive_seed(self.seed, self.stage_id, *parts)
+
+
+def preflight_fields(config: Any, where: str) -> None:
+    """Call ``preflight(key)`` of every value in ``config``'s fields and mappings, at any depth, each
+    named by its YAML key under ``where``: ``stages.evaluate.config.tasks.gsm8k.task``."""
+    if isinstance(config, BaseModel) and callable(preflight := getattr(config, "preflight", None)):
+        preflight(where)
+    elif isinstance(config, BaseModel | dict):
+        items = config.items() if isinstance(config, dict) else ((k, getattr(config, k)) for k in type(config).model_fields)
+        for key, value in items:
+            preflight_fields(value, f"{where}.{key}")
 
 
 class Stage:
@@ -112,7 +123,7 @@ class Stage:
     Config: ClassVar[type[StageConfig]] = StageConfig
     inputs: ClassVar[dict[str, Port]] = {}
     outputs: ClassVar[dict[str, Port]] = {}
-    drops_groups: ClassVar[bool] = False  # a filter of whole groups (molt.pipeline checks what is upstream)
+    drops_groups: ClassVar[bool] = False  # a filter of whole groups (molt.runtime.pipeline checks what is upstream)
 
     def __init__(self, config: StageConfig, ctx: StageContext) -> None:
         self.config, self.ctx = config, ctx
@@ -128,10 +139,8 @@ class Stage:
     def preflight(cls, config: StageConfig, where: str) -> None:
         """Checks beyond the config's types (files, datasets) that `molt run` and `molt sweep` make
         once, before any process starts; raise ValueError naming ``where`` (the config's YAML path).
-        By default every task the config holds is loaded (molt.tasks.preflight_tasks)."""
-        from molt.tasks import preflight_tasks
-
-        preflight_tasks(config, where)
+        By default every sub-config with a ``preflight(where)`` method (a task) is called, at any depth."""
+        preflight_fields(config, where)
 
     def setup(self) -> None:
         """Load models, open files. Runs after the sockets are connected."""
@@ -191,7 +200,7 @@ class Stage:
         return item
 
     async def barrier(self, step: int) -> None:
-        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.checkpoint), then forward it."""
+        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.runtime.checkpoint), then forward it."""
         if self.ctx.run_dir is not None:
             self.save_checkpoint(checkpoint_dir(self.ctx.run_dir, step))
         for out in self.ctx.outputs.values():

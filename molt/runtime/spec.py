@@ -1,5 +1,5 @@
 """The keys of a pipeline file, typed (pydantic): the whole file (`PipelineSpec`), each stage (`StageSpec`)
-and each edge (`EdgeConfig`); molt.pipeline validates what they name and builds the graph.
+and each edge (`EdgeConfig`); molt.runtime.pipeline validates what they name and builds the graph.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from molt.placement import PlacementSpec
+from molt.runtime.placement import PlacementSpec
 from molt.policy import PolicySpec
-from molt.targets import StopWhen
+from molt.runtime.targets import StopWhen
 
 FOLLOWS_WORLD_SIZE = {"follows": "world_size"}  # a config field's json_schema_extra: `_follow_world_size`
 
@@ -40,9 +40,9 @@ class StageSpec(BaseModel):
     replicas: int = Field(1, ge=1)
     world_size: int = Field(1, ge=1, description=">1: a torchrun group; rank 0 owns the sockets")
     cpus: str | int | None = Field(None, description="CPU ids the stage's processes run on, e.g. '0' or '0-1,3': "
-                             "affinity, OpenMP threads and vLLM's CPU binding (molt.runner); None = all")
+                             "affinity, OpenMP threads and vLLM's CPU binding (molt.runtime.runner); None = all")
     gpus: str | int | None = Field(None, description="GPU ids shared out among the replicas, e.g. '0-3' for 4 replicas "
-                             "of 1 GPU or 2 of a 2-rank group: CUDA_VISIBLE_DEVICES (molt.runner); None = all")
+                             "of 1 GPU or 2 of a 2-rank group: CUDA_VISIBLE_DEVICES (molt.runtime.runner); None = all")
 
     @model_validator(mode="before")
     @classmethod
@@ -62,11 +62,11 @@ class PipelineSpec(BaseModel):
     name: str = "pipeline"
     run_dir: str | None = None
     seed: int = Field(0, description="the run's seed: dataset order, sampling and trainer randomness derive "
-                      "from it (molt.seeds); `molt run --seed N`, `molt sweep` one run per seed")
+                      "from it (molt.runtime.seeds); `molt run --seed N`, `molt sweep` one run per seed")
     transport: Literal["ipc", "tcp"] = "ipc"
     host: str = Field("127.0.0.1", description="the interface tcp edges bind to (loopback unless set)")
     curve: bool = Field(True, description="tcp edges: CURVE authentication and encryption with per-run keys "
-                        "(molt.curve); false = plaintext, which any peer reaching the ports can read and inject into")
+                        "(molt.runtime.curve); false = plaintext, which any peer reaching the ports can read and inject into")
     curve_keys: str | None = Field(None, description="JSON file of the CURVE keys to use (as RUN_DIR/keys/curve.json); "
                                    "None = generated for each run")
     ready_timeout_s: float = Field(120.0, gt=0)
@@ -83,11 +83,11 @@ class PipelineSpec(BaseModel):
                                     "key (its latest value; counters summed; every value with its time in 'results_history'), "
                                     "e.g. accuracy: evaluate/accuracy")
     placement: PlacementSpec = Field(default_factory=PlacementSpec,  # type: ignore[arg-type]
-                                     description="where the processes run (molt.placement): children of molt run, "
+                                     description="where the processes run (molt.runtime.placement): children of molt run, "
                                      "or Ray actors")
     requires: dict[str, str] = Field(default_factory=dict, description="models this pipeline starts from that "
                                      "another pipeline makes: model name -> that pipeline's YAML (relative to this "
-                                     "file), run first when the cache lacks the model (molt.runner.make_required)")
+                                     "file), run first when the cache lacks the model (molt.commands.run.make_required)")
     policy: PolicySpec = Field(default_factory=PolicySpec,  # type: ignore[arg-type]
                                description="what sampling and training agree on, stated once (molt.policy)")
     stages: dict[str, StageSpec]

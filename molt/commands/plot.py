@@ -23,7 +23,7 @@ Writes into ``RUN_DIR/plots/``:
 
 A figure whose metrics the run does not have is skipped (and not listed).
 
-``molt plot SWEEP_DIR [SWEEP_DIR ...]`` (molt.sweep): into the first folder's ``plots/``, per
+``molt plot SWEEP_DIR [SWEEP_DIR ...]`` (molt.commands.sweep): into the first folder's ``plots/``, per
 curve of ``sweep.json`` (a results metric logged at policy versions) ``sweep_{key}.png``:
 the seeds' mean with its 95% interval as a band, every seed faint behind it (several sweeps
 overlaid, one colour each); and ``sweep_threshold.png``: each seed's time to the threshold,

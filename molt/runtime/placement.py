@@ -1,4 +1,4 @@
-"""Where a pipeline's processes run: the YAML's ``placement:`` section (used by molt.runner).
+"""Where a pipeline's processes run: the YAML's ``placement:`` section (used by molt.runtime.runner).
 
 ``backend: local`` (the default): each stage replica is a child process of ``molt run``
 on this host (a torchrun launcher for a group). ``backend: ray``: each one runs under a
@@ -261,10 +261,10 @@ class Proc:
 
 
 def _is_worker(proc: psutil.Process) -> bool:
-    """Whether ``proc`` is a stage process (``python -m molt.worker``, which dumps its stacks on SIGUSR1)."""
-    with contextlib.suppress(psutil.Error):  # a torchrun launcher names molt.worker too, and dies of SIGUSR1
+    """Whether ``proc`` is a stage process (``python -m molt.runtime.worker``, which dumps its stacks on SIGUSR1)."""
+    with contextlib.suppress(psutil.Error):  # a torchrun launcher names molt.runtime.worker too, and dies of SIGUSR1
         argv = proc.cmdline()
-        return "molt.worker" in argv and "torch.distributed.run" not in argv
+        return "molt.runtime.worker" in argv and "torch.distributed.run" not in argv
     return False
 
 
@@ -290,7 +290,7 @@ class Janitor:
     def __init__(self, scratch: Path) -> None:
         import sys
 
-        self.popen = subprocess.Popen([sys.executable, "-c", "from molt.placement import janitor_main; janitor_main()",
+        self.popen = subprocess.Popen([sys.executable, "-c", "from molt.runtime.placement import janitor_main; janitor_main()",
                                        str(scratch)], stdin=subprocess.PIPE, text=True, start_new_session=True)
 
     def watch(self, proc: Proc) -> None:

@@ -1,9 +1,9 @@
 """Scoring a policy on held-out problems: greedy accuracy, and pass@k, avg@k, maj@k from k samples.
 
 Used by the evaluation stage (stages.evaluate), a rollout's ``evaluate:`` (on the rollout's engine; both
-through `Evaluator`) and ``molt eval`` (molt.eval_command). One evaluation of a task: every problem, one
+through `Evaluator`) and ``molt eval`` (molt.commands.eval). One evaluation of a task: every problem, one
 greedy completion (temperature 0) and, with ``samples`` n > 1, n completions at
-``temperature``, each graded against the problem's answer (molt.graders). Per problem, with c of its
+``temperature``, each graded against the problem's answer (molt.tasks.graders). Per problem, with c of its
 n samples right (score 1):
 
     accuracy  the greedy completion's score
@@ -41,10 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from molt.agents import AgentError, ChatServer, ChatTemplate, SingleTurn, run_episode
 from molt.config import import_class
 from molt.engines.base import Engine, SamplingParams
-from molt.graders import Grade, GraderConfig, MathGrader
-from molt.metrics import logged_steps
+from molt.tasks.graders import Grade, GraderConfig, MathGrader
+from molt.runtime.metrics import logged_steps
 from molt.schema import batch_from_rows, make_schema
-from molt.stage import StageConfig
+from molt.runtime.stage import StageConfig
 from molt.tasks import TaskConfig
 
 EVAL_SCHEMA = make_schema([
@@ -261,7 +261,7 @@ def evaluated_before(run_dir: Path | None, replica: str, prefixes: list[str]) ->
     """Per task prefix, the versions evaluation ``replica`` (``STAGE.R``) of a resumed run evaluated up to the
     version of the checkpoint it resumes from (later ones were of weights the resume discards); empty sets
     for a new run."""
-    from molt.checkpoint import resumed_version
+    from molt.runtime.checkpoint import resumed_version
 
     if run_dir is None:
         return {prefix: set() for prefix in prefixes}

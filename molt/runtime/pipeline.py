@@ -17,7 +17,7 @@ dotted path and the nearest valid key), stage ids, classes, each stage's typed c
 facts the stages share (molt.policy), dangling edges, undeclared cycles (only edges marked ``feedback:
 true`` may close one) and the columns each edge carries against those each consumer reads.
 `Pipeline.preflight` (datasets) runs once in ``molt run`` and ``molt sweep``. The file's keys are typed in
-:mod:`molt.pipeline_spec`; YAML loading, ``--set`` and error wording live in :mod:`molt.config`.
+:mod:`molt.runtime.spec`; YAML loading, ``--set`` and error wording live in :mod:`molt.config`.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any
 import pyarrow as pa
 
 from molt.config import apply_override, beside, check_requires, import_class, load_yaml, validate
-from molt.pipeline_spec import FOLLOWS_WORLD_SIZE, EdgeConfig, PipelineSpec, StageSpec
-from molt.placement import check_placement, parse_ids
+from molt.runtime.spec import FOLLOWS_WORLD_SIZE, EdgeConfig, PipelineSpec, StageSpec
+from molt.runtime.placement import check_placement, parse_ids
 from molt.policy import apply_policy, filled
 from molt.schema import make_schema, resolve_fields
-from molt.stage import Port, Stage, StageConfig
-from molt.targets import check_metric_keys
+from molt.runtime.stage import Port, Stage, StageConfig
+from molt.runtime.targets import check_metric_keys
 
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
 @dataclass
@@ -135,7 +135,7 @@ class Pipeline:
         return data
 
     def checkpointed(self) -> dict[str, int]:
-        """Stages a checkpoint barrier reaches, as molt.checkpoint.replica_names takes them
+        """Stages a checkpoint barrier reaches, as molt.runtime.checkpoint.replica_names takes them
         (id -> replicas): the sources and everything downstream of them over
         stream or keyed edges. A stage fed only by broadcast edges (e.g. an evaluation of the
         published weights) gets no barrier, keeps no checkpoint state and starts afresh on resume."""
@@ -195,7 +195,7 @@ def _build_stage(sid: str, s: StageSpec, source: str) -> StageNode:
         raise ValueError(f"{where}: stage id {sid!r} must be snake_case ([a-z][a-z0-9_]*)")
     cls = s.class_ if isinstance(s.class_, type) else import_class(str(s.class_), f"{where}.class")
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
-        raise ValueError(f"{where}.class: {cls!r} is not a molt.stage.Stage subclass")
+        raise ValueError(f"{where}.class: {cls!r} is not a molt.runtime.stage.Stage subclass")
     config = validate(cls.Config, s.config, source, ("stages", sid, "config"))
     try:
         inputs, outputs = cls.ports(config)

@@ -6,7 +6,7 @@ own output in ``DIR/seed_K.log``): one after another, each with the machine to
 itself; all at once when the pipeline places its processes on Ray (``placement.backend:
 ray``), each run reserving its own placement on the cluster. One live table shows every
 seed (state, minutes, its latest ``results:`` values); off a terminal, a line per change.
-Models the pipeline ``requires:`` are made first, once, in ``DIR/requires/`` (molt.runner.make_required),
+Models the pipeline ``requires:`` are made first, once, in ``DIR/requires/`` (molt.commands.run.make_required),
 so no seed's time includes them.
 
 Started again with the same pipeline and ``--set`` values (and any ``--seeds``), it keeps
@@ -14,7 +14,7 @@ the finished seeds (status ok), resumes an unfinished one from its newest comple
 checkpoint, and restarts one that has none. A seed that fails is reported, left out of
 the statistics, and tried again by the next ``molt sweep`` of that folder.
 
-``DIR/sweep.json`` (rewritten after every run; molt.stats.summarize for each summary)::
+``DIR/sweep.json`` (rewritten after every run; molt.commands.stats.summarize for each summary)::
 
     runs:      {"0": {"status": "ok", "wall_s": 702.1, "started_unix": ..., "starts": 1}, ...}
     results:   per name of the pipeline's results: map, the seeds' values and their
@@ -51,12 +51,12 @@ from pathlib import Path
 from math import inf
 from typing import Any
 
-from molt.checkpoint import complete_checkpoints, replica_names
-from molt.metrics import get_logger
-from molt.pipeline import Pipeline
-from molt.placement import start_child, stop_signals_deferred
-from molt.runner import make_required
-from molt.stats import first_reach, summarize
+from molt.runtime.checkpoint import complete_checkpoints, replica_names
+from molt.runtime.metrics import get_logger
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.placement import start_child, stop_signals_deferred
+from molt.commands.run import make_required
+from molt.commands.stats import first_reach, summarize
 
 log = get_logger("sweep")
 SWEEP_FILE = "sweep.json"
@@ -165,7 +165,7 @@ class Sweep:
     def _start(self, seed: int) -> subprocess.Popen[bytes]:
         """``molt run`` of one seed: resumed from its newest complete checkpoint, else from scratch."""
         run_dir = self.out / f"seed_{seed}"
-        args = [sys.executable, "-m", "molt.cli", "run", self.pipeline, "--seed", str(seed)]
+        args = [sys.executable, "-m", "molt.commands.cli", "run", self.pipeline, "--seed", str(seed)]
         args += [a for item in self.overrides for a in ("--set", item)]
         resume = (run_dir / "pipeline.yaml").is_file() and complete_checkpoints(run_dir, self.names)
         if not resume and run_dir.exists():

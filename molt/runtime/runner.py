@@ -5,7 +5,7 @@ Run directory: ``pipeline.yaml`` (resolved config), ``wiring.json`` (endpoints),
 ``metrics.jsonl``, ``status/`` (per process), ``record/`` (recorded edges),
 ``checkpoints/`` and ``summary.json`` (status, results and their history, metrics).
 
-Checkpoints (molt.checkpoint): stages save them at barriers; the runner keeps the
+Checkpoints (molt.runtime.checkpoint): stages save them at barriers; the runner keeps the
 newest ``keep_checkpoints`` complete ones. ``resume=True`` (``molt run --resume``)
 continues a stopped run in its own directory from its newest complete checkpoint:
 it writes ``resume.json`` naming it, clears the old ``status/``, and every stage
@@ -13,7 +13,7 @@ restores itself after ``setup()``; ``logs/`` and ``metrics/`` are appended to.
 ``resume=FOLDER`` (``molt replay --from-step``) starts a new run whose stages restore
 from that checkpoint of another run where they have state there.
 
-Placement (molt.placement): every process is a child of the runner on this host, or,
+Placement (molt.runtime.placement): every process is a child of the runner on this host, or,
 with ``placement: {backend: ray}``, runs under a Ray launcher actor that holds its
 resources; the runner reserves every stage's places before it writes the wiring
 (tcp edges bind where their producers landed) and starts anything.
@@ -33,8 +33,7 @@ that was not just an upstream error -- with the stage id and traceback, and the 
 exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
 also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
 
-Models the pipeline ``requires:`` are made first, by running the pipelines that make them
-(`make_required`). A run's targets (molt.targets): it stops the same way, ok, once ``stop_when``
+A run's targets (molt.runtime.targets): it stops the same way, ok, once ``stop_when``
 is met; ``keep_best`` spares checkpoints from pruning.
 """
 
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,14 +49,14 @@ from typing import Any
 
 import yaml
 
-from molt.checkpoint import latest_checkpoint, prune_checkpoints, replica_names, trainer_checkpoints
-from molt.curve import CurveKeys
-from molt.metrics import get_logger
-from molt.pipeline import Pipeline
-from molt.placement import LocalBackend, PlacementError, free_port, stop_signals_deferred
-from molt.progress import Progress
-from molt.stage import SCRATCH_ENV, scratch_folder
-from molt.targets import warn_unlogged
+from molt.runtime.checkpoint import latest_checkpoint, prune_checkpoints, replica_names, trainer_checkpoints
+from molt.runtime.curve import CurveKeys
+from molt.runtime.metrics import get_logger
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.placement import LocalBackend, PlacementError, free_port, stop_signals_deferred
+from molt.runtime.progress import Progress
+from molt.runtime.stage import SCRATCH_ENV, scratch_folder
+from molt.runtime.targets import warn_unlogged
 
 log = get_logger("runner")
 
@@ -72,7 +70,7 @@ def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
     ``tcp_host(stage, replica)`` gives the address a producer binds its tcp edges to and a
     function giving a free port there (a Ray launcher's node); default: ``host``, this machine.
     """
-    curve = None  # the keys file of CURVE tcp edges (molt.curve)
+    curve = None  # the keys file of CURVE tcp edges (molt.runtime.curve)
     if pipe.spec.transport == "tcp" and pipe.spec.curve:
         keys = CurveKeys.read(pipe.spec.curve_keys) if pipe.spec.curve_keys else CurveKeys.generate()
         keys.write(run_dir.resolve() / "keys" / "curve.json")
@@ -100,7 +98,7 @@ class Runner:
                  resume: bool | Path = False) -> None:
         self.pipe, self.run_dir, self.resume = pipe, Path(run_dir), resume
         self.replica_names = replica_names(pipe.checkpointed())
-        self.procs: list[Any] = []  # molt.placement.Proc, or the Ray backend's RayProc
+        self.procs: list[Any] = []  # molt.runtime.placement.Proc, or the Ray backend's RayProc
         self.live = sys.stderr.isatty() if live is None else live
         self.failure: dict[str, Any] | None = None
         self.start_s, self.start_unix = time.monotonic(), time.time()
@@ -108,7 +106,7 @@ class Runner:
         self.backend: Any = None
 
     def start(self) -> None:
-        """Write the resolved config, reserve every process's place (molt.placement), write
+        """Write the resolved config, reserve every process's place (molt.runtime.placement), write
         the wiring, then start one process per replica (per node of a multi-node group)."""
         if self.resume:
             self._prepare_resume()
@@ -117,7 +115,7 @@ class Runner:
         (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
         placement = self.pipe.spec.placement
         if placement.backend == "ray":
-            from molt.placement_ray import RayBackend
+            from molt.runtime.ray import RayBackend
 
             self.backend = RayBackend(placement, self.pipe)
         else:  # checked here, not at load: a worker pinned to its CPUs loads the saved pipeline too
@@ -165,7 +163,7 @@ class Runner:
         ``--standalone``: its store binds a port of the OS's choice, so no other process can take
         it between choosing and binding (CI saw a one-node group exit 1 before any rank ran)."""
         node = self.pipe.stages[sid]
-        worker = ["-m", "molt.worker", str(self.run_dir.resolve()), sid, str(replica)]
+        worker = ["-m", "molt.runtime.worker", str(self.run_dir.resolve()), sid, str(replica)]
         argvs = [worker]
         if node.world_size > 1:
             master = slots[0].address or "127.0.0.1"
@@ -330,47 +328,3 @@ def default_run_dir(pipe: Pipeline) -> Path:
     if pipe.spec.run_dir:
         return Path(pipe.spec.run_dir)
     return Path("runs") / f"{pipe.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def make_required(pipe: Pipeline, run_dir: Path) -> int:
-    """Make every model of ``pipe.spec.requires`` that the cache lacks; returns 0, or the exit code
-    of the required run that did not finish (130: interrupted).
-
-        requires: {shapes-vlm-moe-sft: sft.yaml}   # model name -> the pipeline that writes it (beside this file)
-
-    A required model missing from the model cache (molt.models.default_cache_dir) is made by running its
-    pipeline to the end (its own ``requires:`` first) in ``RUN_DIR/requires/NAME``, under a file lock in
-    the cache, so that runs starting together (a sweep's seeds) make it once. The pipeline must write the
-    model under that name (a train stage's ``export_model: NAME``); delete its cache folder to remake it.
-
-    Raises:
-        ValueError: a required pipeline finished without writing its model, naming the key.
-    """
-    from filelock import FileLock
-
-    from molt.models import default_cache_dir
-
-    cache = default_cache_dir()
-    for name, source in pipe.spec.requires.items():
-        made = cache / name / "config.json"
-        if made.is_file():
-            continue
-        cache.mkdir(parents=True, exist_ok=True)
-        with FileLock(cache / f".lock-{name}"):
-            if made.is_file():  # made by another run while this one waited
-                continue
-            required, where = Pipeline.from_yaml(source), Path(run_dir) / "requires" / name
-            if where.exists():
-                log.warning("removing the unfinished run that was making %s: %s", name, where)
-                shutil.rmtree(where)
-            log.info("%s requires the model %s, which %s makes: running it first in %s", pipe.source, name,
-                     source, where)
-            if (code := make_required(required, where) or Runner(required, where).run()) != 0:
-                log.error("the run making %s (requires.%s: %s) ended with exit code %d: %s", name, name, source,
-                          code, where)
-                return code
-            if not made.is_file():
-                raise ValueError(f"{pipe.source}: requires.{name}: {source} finished without writing the model "
-                                 f"{name!r} into {cache}; hint: its train stage's export_model must be {name!r}")
-            log.info("model %s made: %s", name, made.parent)
-    return 0

@@ -1,4 +1,4 @@
-"""Targets a run applies to its own metrics (molt.runner reads every metric line through molt.progress).
+"""Targets a run applies to its own metrics (molt.runtime.runner reads every metric line through molt.runtime.progress).
 
 ``stop_when: {metric: evaluate/accuracy, at_least: 0.7}`` ends the run cleanly at the first line
 whose value reaches ``at_least`` (with ``lower_bound: true``, the value minus ``METRIC_stderr`` of the
@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.metrics import get_logger
+from molt.runtime.metrics import get_logger
 
 log = get_logger("runner")
 

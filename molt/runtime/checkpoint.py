@@ -1,7 +1,7 @@
 """Checkpoints of a whole pipeline, taken at aligned barriers, and finding one to resume.
 
 A source emits ``Barrier(k)`` in-band (``checkpoint_every_batches``). Every stage
-replica, when barrier k has arrived on all its inputs (molt.ports aligns them), has
+replica, when barrier k has arrived on all its inputs (molt.runtime.ports aligns them), has
 processed exactly what was sent before it; it saves its state into
 ``RUN_DIR/checkpoints/barrier_{k}/`` (``Stage.save_checkpoint``) and forwards the
 barrier. So the folder is one consistent cut of the pipeline: what a stage has not

@@ -14,7 +14,7 @@ C     credit       ASCII integer n: the consumer can take n more batches
 A     end ack      empty: the consumer has read this producer's end (consumer -> producer)
 ====  ===========  =========================================================
 
-Nothing is pickled. ``tcp://`` edges run over CURVE with per-run keys (molt.curve). Sockets: every producer replica binds one ROUTER per edge;
+Nothing is pickled. ``tcp://`` edges run over CURVE with per-run keys (molt.runtime.curve). Sockets: every producer replica binds one ROUTER per edge;
 every consumer replica connects one DEALER per producer replica, with identity
 ``"{stage}.{replica}"``, and opens with a hello carrying its initial credits. A
 producer sends a data message to a consumer only while it holds a credit from it
@@ -32,7 +32,7 @@ the consumer waiting forever). The consumer's acknowledgement is the last thing 
 
 The in-process edge for tests is the same code over ``inproc://``
 endpoints sharing one ``zmq.asyncio.Context``. What a stage sees of its edges (named
-input and output ports, fan-in and fan-out) is in :mod:`molt.ports`.
+input and output ports, fan-in and fan-out) is in :mod:`molt.runtime.ports`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import pyarrow as pa
 import zmq
 import zmq.asyncio
 
-from molt.curve import make_client, make_server, run_keys
+from molt.runtime.curve import make_client, make_server, run_keys
 from molt.schema import schema_diff
 
 DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK = b"D", b"E", b"X", b"B", b"H", b"C", b"A"
@@ -91,7 +91,7 @@ class EdgeSpec:
     endpoints: one per producer replica, ``ipc://``, ``tcp://`` or ``inproc://``.
     consumers: the consumer replica ids, ``"{stage}.{replica}"``.
     capacity: credits each consumer grants each producer (batches in flight).
-    curve: the run's CURVE keys file (molt.curve) for a ``tcp://`` edge; None: plaintext.
+    curve: the run's CURVE keys file (molt.runtime.curve) for a ``tcp://`` edge; None: plaintext.
     """
 
     name: str
@@ -390,7 +390,7 @@ class InputEdge:
             s.setsockopt(zmq.IDENTITY, consumer_id.encode())
             s.setsockopt(zmq.RCVHWM, spec.hwm)
             s.setsockopt(zmq.SNDHWM, spec.hwm)
-            s.setsockopt(zmq.LINGER, 0)  # a closing consumer owes nothing (1 s once the end ack is sent: molt.ports)
+            s.setsockopt(zmq.LINGER, 0)  # a closing consumer owes nothing (1 s once the end ack is sent: molt.runtime.ports)
             if spec.curve is not None:
                 make_client(s, run_keys(spec.curve))
             s.connect(endpoint)

@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from molt.metrics import drop_torn_line, get_logger
-from molt.pipeline import Pipeline
-from molt.targets import moment
+from molt.runtime.metrics import drop_torn_line, get_logger
+from molt.runtime.pipeline import Pipeline
+from molt.runtime.targets import moment
 
 log = get_logger("runner")
 

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from molt.schema import conform
-from molt.edges import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
+from molt.runtime.edges import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
                             ProtocolError, SendBuffers, UpstreamError, control_payload, decode_batch, encode_batch,
                             split_frames)
 
@@ -88,7 +88,7 @@ class InputPort:
                 if self._owed[sock] >= max(1, spec.capacity // 2):
                     await self._return_credits(sock)
         elif kind == END:
-            await sock.send_multipart([END_ACK, b""])  # the producer may close now (molt.edges)
+            await sock.send_multipart([END_ACK, b""])  # the producer may close now (molt.runtime.edges)
             sock.setsockopt(zmq.LINGER, 1_000)  # flush it on close; a failing consumer keeps 0 (exits at once)
             del self._open[sock]
             self.poller.unregister(sock)

@@ -1,4 +1,4 @@
-"""The body of one stage process: ``python -m molt.worker RUN_DIR STAGE REPLICA``.
+"""The body of one stage process: ``python -m molt.runtime.worker RUN_DIR STAGE REPLICA``.
 
 The runner starts one per stage replica (under torchrun for a group). The worker
 loads the resolved pipeline and wiring from the run directory, builds the stage, wires
@@ -8,7 +8,7 @@ its ports, and runs::
     3) wait for every consumer's hello  4) run the stage's loop
     5) send end-of-stream downstream    6) close()
 
-Resuming (``RUN_DIR/resume.json`` names a checkpoint folder, molt.checkpoint): each
+Resuming (``RUN_DIR/resume.json`` names a checkpoint folder, molt.runtime.checkpoint): each
 stage gets ``load_checkpoint(folder)`` after ``setup()``, and each recorded edge keeps
 the batches recorded up to the checkpoint (``keep_records``; a replay into a new run
 directory starts its recordings fresh, and with ``strict`` false a stage that has no
@@ -35,14 +35,14 @@ from typing import Any
 import pyarrow as pa
 import zmq.asyncio
 
-from molt.checkpoint import read_replica_state
-from molt.curve import run_keys, start_authenticator
-from molt.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
-from molt.metrics import MetricsWriter
-from molt.pipeline import Edge, Pipeline, StageNode
-from molt.ports import InputPort, OutputPort
-from molt.recording import RecordWriter, edge_dirname
-from molt.stage import Stage, StageContext
+from molt.runtime.checkpoint import read_replica_state
+from molt.runtime.curve import run_keys, start_authenticator
+from molt.runtime.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
+from molt.runtime.metrics import MetricsWriter
+from molt.runtime.pipeline import Edge, Pipeline, StageNode
+from molt.runtime.ports import InputPort, OutputPort
+from molt.runtime.recording import RecordWriter, edge_dirname
+from molt.runtime.stage import Stage, StageContext
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge: Edge) -> EdgeSpec:

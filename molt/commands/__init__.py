@@ -1,0 +1,1 @@
+"""The `molt` command line: one module per command."""
