@@ -1,6 +1,7 @@
 """House rules that a test can hold: import direction, the stage contract, size."""
 
 import ast
+import graphlib
 import importlib
 import inspect
 import re
@@ -48,7 +49,6 @@ def test_every_stage_file_passes_the_stage_contract(path):
     for port in [*cls.inputs.values(), *cls.outputs.values()]:
         assert port.schema is not None or all(isinstance(c, str) or hasattr(c, "type")
                                               for c in (*port.reads, *port.writes))
-    assert len(path.read_text().splitlines()) <= 200, "aim for <= 200 lines per stage"
 
 
 def test_code_size_is_within_budget():
@@ -56,7 +56,32 @@ def test_code_size_is_within_budget():
     assert out.returncode == 0, out.stdout
 
 
-def test_the_kernel_type_checks():
-    pytest.importorskip("mypy")
-    out = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+def kernel_imports() -> dict[str, set[str]]:
+    """Module -> the molt modules it imports (at any depth of its code, lazy imports included)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (ROOT / "molt").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                targets.update(subs or {node.module})
+        targets.discard(name)
+    return graph
+
+
+def test_the_kernel_has_no_import_circle():
+    try:
+        tuple(graphlib.TopologicalSorter(kernel_imports()).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail(f"import circle: {' -> '.join(e.args[1])}")
+
+
+def test_the_runtime_imports_no_rl_package():
+    rl = ("molt.agents", "molt.algorithms", "molt.commands", "molt.engines", "molt.models", "molt.tasks", "molt.train")
+    for name, targets in kernel_imports().items():
+        if name.startswith("molt.runtime"):
+            assert not [t for t in targets if t.startswith(rl)], f"{name} imports {sorted(targets)}"

@@ -1,7 +1,8 @@
-"""Lines per file and per function of molt/ and stages/, checked against a budget.
+"""The kernel's size in tokens (characters / 4), per folder and in total, checked against a budget.
 
-Run ``python tools/sz.py``: prints the largest files and functions and exits 1
-past the budget. Raise a budget only on purpose, in its own commit, saying why.
+Run ``python tools/sz.py``: prints tokens, docstring tokens and lines over 100 characters per folder
+of molt/ and stages/, the longest functions, and exits 1 past any budget. Tokens, not lines, so that
+packing code never pays. Raise a budget only on purpose, in its own commit, saying what it buys.
 """
 
 from __future__ import annotations
@@ -10,93 +11,68 @@ import ast
 import sys
 from pathlib import Path
 
-BUDGET_FILE_LINES = 430  # largest single file (from 420: molt/cli.py gains molt eval, issue #34)
-BUDGET_FUNCTION_LINES = 60  # largest single function (STYLE: 90th percentile 40-60)
-BUDGET_TOTAL_LINES = 17886  # molt/ + stages/ (raised from 9000: checkpoint/resume, refit probes, NCCL refit;
-#                            from 10600: mixture-of-experts policies, issue #7; from 11400: routing replay,
-#                            issue #8: the worker-side capture, the column through episodes, replay in training;
-#                            from 11600: multimodal policies, issue #9: images through messages, engines and the
-#                            packed trainer, the VLM builder, SFT records, the shapes task, grader and env;
-#                            from 12600: NCCL refits wired into the broadcast, rollout and engine, issue #5;
-#                            from 12800: CURVE on tcp:// edges, issue #10: keys, ZAP handler, socket setup;
-#                            from 13000: placement backends, issue #10: local processes and Ray launchers;
-#                            from 13400: Qwen-VL policies, issue #10: image tokens by resolution, multimodal
-#                            RoPE in packed rows, VLMs and checkpoint layouts in the transformers engine;
-#                            from 13700: a newcomer's findings: lost prompt groups in admission control
-#                            (molt.agents.admission), refit files pinned while loading, clear refusals;
-#                            from 13800: per-module learning rates (optim.lr_scale), issue #9;
-#                            from 13850, then 14550 (a newcomer's findings: clean refusals of bad arms, seeds
-#                            and thresholds): results with their uncertainty, issue #29: the run's seed (molt.seeds),
-#                            molt sweep (molt.sweep), molt compare's statistics (molt.stats), sweep plots;
-#                            from 14600: learning that holds, issue #30: the pipeline's policy block (molt.policy),
-#                            collapse metrics and alarms (molt.train.collapse), pipelines that make the models they need;
-#                            from 15050: reliability under faults, issue #35: the janitor of a killed run, the
-#                            watchdog with stack dumps, engine restarts (molt.engines.restart), validated frames,
-#                            datasets checked before a run starts; to 15500: a newcomer's findings on them: the
-#                            evaluation's dataset checked too, Ray-placed stacks, policy facts saved once and validated;
-#                            to 15720: issue #35's last items: a group filter's drop notices to a bounded rollout's
-#                            admission (molt.agents.admission, stages.dynamic_sampling, molt.policy's check), hung
-#                            engines (work in flight on every engine, killed when stalled; a refit in flight on a
-#                            dead engine restarts it); to 16250: evaluation as users expect it, issue #34:
-#                            molt eval, pass@k/avg@k/maj@k with standard errors (molt.evaluation), several
-#                            tasks per evaluation stage and resumed evaluations, stop_when and keep_best (molt.targets);
-#                            to 16300: a newcomer's review of them: a resume's discarded evaluations, checkpoints
-#                            not yet evaluated spared, targets never logged named, the shapes task's grader;
-#                            to 16400: issue #34's evaluation on the rollout's own engine (molt.evaluation.Evaluator,
-#                            shared with the evaluation stage; a version check of every evaluated token), molt eval's
-#                            command in its own module (molt.eval_command), every task of a stage config preflighted;
-#                            to 16450: a newcomer's review of it: evaluated versions in the rollout's checkpoint, tasks
-#                            retried alone at one checked version, streamed refits refused, replica 0 evaluates;
-#                            to 16950: agents that call tools, issue #31: the Tool contract, tool-call parsers
-#                            and tools in chat templates (molt.agents.tools), tool turns in episodes and the
-#                            OpenAI endpoint, a bubblewrap sandbox for model-written code (molt.agents.sandbox);
-#                            to 17100: the shipped tool-using agent (molt.agents.python_agent, its demonstrations as
-#                            SFT rows, evaluations of an agent, policy.tool_parser) and a review's sandbox and
-#                            endpoint fixes (read-only root, empty environment, open files, a user id per run;
-#                            requests validated naming the field, a full context ended as length);
-#                            to 17102: a torchrun group's ranks destroy their process group (CI's gloo abort at exit);
-#                            to 17181: molt export (issue #32, item 3), with molt replay's pipelines moved out of
-#                            molt/cli.py into molt/replay_command.py (cli.py 423 -> 328 lines); to 17183: molt eval
-#                            reads an agent's tool calls in its pipeline's policy.tool_parser format; to 17194: a
-#                            newcomer's review: sandbox user ids unique across processes, export's file modes and
-#                            provenance; to 17197: an export that fails leaves no partial folder; to 17198: the
-#                            model an exported run started from; to 17389: LoRA training, molt.train.lora; to
-#                            17416: the sandbox frees a run's user id only once none of its processes is left; to
-#                            17777: adapter-only versioned refits, issue #32: the trainer's adapter publication,
-#                            vLLM serving one adapter per live version (molt.engines.vllm_lora), the transformers
-#                            engine's peft adapters, the merge fallback, adapter folders pinned and linked; to
-#                            17789: engine.serve_adapters, merged on CPU where vLLM's LoRA halves generation; to
-#                            17822: a VLM adapter merged under its checkpoint names, lr_scale of frozen parameters; to
-#                            17852: checkpoints under the folder's names, a stage's session killed at stop, LoRA checks;
-#                            17886: vLLM's LoRA support checked before start, a VLM's language model found by structure)
+BUDGET_TOKENS = {  # folder -> tokens (characters / 4) of its .py files, subfolders not included
+    "molt": 30_000,
+    "molt/runtime": 60_000,
+    "molt/commands": 30_000,
+    "molt/agents": 30_000,
+    "molt/algorithms": 20_000,
+    "molt/engines": 32_000,
+    "molt/models": 15_000,
+    "molt/tasks": 15_000,
+    "molt/train": 34_000,
+    "stages": 20_000,
+}
+BUDGET_TOTAL_TOKENS = 240_000  # molt/ + stages/
+BUDGET_DOCSTRING_TOKENS = 76_000  # of the total
+BUDGET_LONG_LINES = 1_700  # lines over 100 characters
+BUDGET_FUNCTION_LINES = 60  # the longest function (STYLE: 90th percentile 40-60)
 ROOTS = ("molt", "stages")
 
 
-def functions(path: Path) -> list[tuple[str, int]]:
-    tree = ast.parse(path.read_text())
-    return [(f"{path}:{n.lineno} {n.name}", n.end_lineno - n.lineno + 1)  # type: ignore[operator]
-            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+def docstring_chars(tree: ast.AST, text: str) -> int:
+    """Characters of every module, class and function docstring in ``tree`` (parsed from ``text``)."""
+    total = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                total += len(ast.get_source_segment(text, first) or "")
+    return total
 
 
 def report(root: Path) -> list[str]:
     """Print the tables; return the budget violations."""
-    files = sorted(p for r in ROOTS for p in (root / r).rglob("*.py"))
-    sizes = {p.relative_to(root): len(p.read_text().splitlines()) for p in files}
-    funcs = [(name.replace(str(root) + "/", ""), n) for p in files for name, n in functions(p)]
-    total = sum(sizes.values())
-    print(f"{len(files)} files, {total} lines, {len(funcs)} functions")
-    for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:10]:
-        print(f"  {n:5d}  {p}")
+    folders: dict[str, list[int]] = {}  # folder -> [characters, docstring characters, long lines]
+    funcs: list[tuple[str, int]] = []
+    for path in sorted(p for r in ROOTS for p in (root / r).rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(root)
+        tree = ast.parse(text)
+        row = folders.setdefault(str(rel.parent), [0, 0, 0])
+        row[0] += len(text)
+        row[1] += docstring_chars(tree, text)
+        row[2] += sum(len(line) > 100 for line in text.splitlines())
+        funcs += [(f"{rel}:{n.lineno} {n.name}", n.end_lineno - n.lineno + 1)  # type: ignore[operator]
+                  for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    bad = []
+    print(f"{'folder':16s} {'tokens':>8s} {'budget':>8s} {'docs':>7s} {'>100ch':>7s}")
+    for folder, (chars, doc, long) in sorted(folders.items()):
+        budget = BUDGET_TOKENS.get(folder)
+        print(f"{folder:16s} {chars // 4:8d} {budget or '-':>8} {doc // 4:7d} {long:7d}")
+        if budget is None:
+            bad.append(f"{folder}: no budget; add it to BUDGET_TOKENS")
+        elif chars // 4 > budget:
+            bad.append(f"{folder}: {chars // 4} tokens > {budget}")
+    tokens, docs, long = (sum(r[i] for r in folders.values()) for i in range(3))
+    print(f"{'total':16s} {tokens // 4:8d} {BUDGET_TOTAL_TOKENS:8d} {docs // 4:7d} {long:7d}")
     lengths = sorted(n for _, n in funcs)
-    if lengths:
-        print(f"function lines: median {lengths[len(lengths) // 2]}, "
-              f"90th percentile {lengths[int(len(lengths) * 0.9)]}, max {lengths[-1]}")
+    print(f"function lines: median {lengths[len(lengths) // 2]}, 90th percentile {lengths[int(len(lengths) * 0.9)]}")
     for name, n in sorted(funcs, key=lambda kv: -kv[1])[:5]:
         print(f"  {n:5d}  {name}")
-    bad = [f"{p}: {n} lines > {BUDGET_FILE_LINES}" for p, n in sizes.items() if n > BUDGET_FILE_LINES]
+    checks = [("total tokens", tokens // 4, BUDGET_TOTAL_TOKENS), ("docstring tokens", docs // 4, BUDGET_DOCSTRING_TOKENS),
+              ("lines over 100 characters", long, BUDGET_LONG_LINES)]
+    bad += [f"{what}: {n} > {budget}" for what, n, budget in checks if n > budget]
     bad += [f"{name}: {n} lines > {BUDGET_FUNCTION_LINES}" for name, n in funcs if n > BUDGET_FUNCTION_LINES]
-    if total > BUDGET_TOTAL_LINES:
-        bad.append(f"total {total} lines > {BUDGET_TOTAL_LINES}")
     return bad
 
 
