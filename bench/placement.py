@@ -34,7 +34,7 @@ SHORT = [  # tests/test_quickstart.py's cut
 def run(backend: str, overrides: list[str], folder: Path) -> dict:
     run_dir = folder / backend
     sets = [a for o in [*overrides, f"placement.backend={backend}"] for a in ("--set", o)]
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "run", "pipelines/quickstart.yaml", "--run-dir",
+    out = subprocess.run([sys.executable, "-m", "molt", "run", "pipelines/quickstart.yaml", "--run-dir",
                           str(run_dir), *sets], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{backend} run failed:\n{out.stderr[-3000:]}")

@@ -1,11 +1,5 @@
-"""Typed config from YAML: loading, ``--set`` overrides, errors with paths and hints,
-and classes by import path (no registries).
-
-Errors name the file, the dotted YAML path (list items as ``edges[0]``) and, for an
-unknown key, the nearest valid one::
-
-    pipelines/gsm8k.yaml: stages.reward.config.temprature: unknown key; did you mean 'temperature'?
-"""
+"""Typed config from YAML: loading, ``--set`` overrides, classes by import path, and errors
+naming file, dotted path and nearest valid key ("...: unknown key; did you mean 'x'?")."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class FrozenConfig(BaseModel):
-    """Base of the sub-configs selected by their ``type:`` (tasks, graders, losses, advantages): unknown keys
-    fail at load; configs are immutable."""
+    """Base of the sub-configs selected by their ``type:``: immutable, unknown keys fail."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -29,49 +22,49 @@ class FrozenConfig(BaseModel):
 def load_yaml(path: Path, _derived: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A pipeline's YAML mapping from ``path``; duplicate keys are errors.
 
-    A file may name a ``base:`` pipeline (a path relative to it) and state only what differs:
-    mappings merge key by key, recursively, unless their ``type`` differs (a task, grader or engine of
-    another type replaces the base's whole); any other value replaces the base's (so ``edges``, when
-    given, replace the base's list); a stage set to null is removed, with the base's edges
-    to or from it. Bases may have bases. Example: ``base: quickstart.yaml`` and ``policy: {model:
-    smollm2-135m-instruct-moe}`` is the quickstart with a MoE policy (``molt graph --resolved``).
+    A file may name a ``base:`` pipeline (relative to it) and state what differs: mappings
+    merge recursively unless their ``type`` differs, other values (``edges`` too) replace the
+    base's, and a stage set to null is removed with its edges.
 
     Raises:
-        ValueError: missing file, not UTF-8, invalid YAML, not a mapping, a base that is not a file,
-            bases that form a circle, or a stage removed that the base lacks (naming the file and key).
+        ValueError: naming the file: missing, not UTF-8 or YAML, not a mapping, a bad or
+            circular base, or a removed stage the base lacks.
     """
     data = _read_yaml(path)
     if (base := data.pop("base", None)) is None:
         return data
     file = (path.parent / str(base)).resolve()
     if not isinstance(base, str) or not file.is_file():
-        raise ValueError(f"{path}: base: {base!r} is not a pipeline file (a path relative to {path.parent})")
+        raise ValueError(f"{path}: base: {base!r} is not a pipeline file (a path relative to "
+                         f"{path.parent})")
     if file in (*_derived, path.resolve()):
-        raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a circle; hint: "
-                         "a base names a more general pipeline, never one derived from this file")
+        raise ValueError(f"{path}: base: {base} leads back to a file that names it: bases form a "
+                         "circle; hint: a base names a more general pipeline, never one derived "
+                         "from this file")
     parent = load_yaml(file, (*_derived, path.resolve()))
     beside(parent, file)  # the base's requires: from its own folder
     gone = {sid for sid, stage in (data.get("stages") or {}).items() if stage is None}
     if unknown := sorted(gone - set(parent.get("stages") or {})):
-        raise ValueError(f"{path}: stages.{unknown[0]}: null removes a stage of the base, and {base} has no stage "
-                         f"{unknown[0]!r}; stages: {sorted(parent.get('stages') or {})}")
+        raise ValueError(f"{path}: stages.{unknown[0]}: null removes a stage of the base, and "
+                         f"{base} has no stage {unknown[0]!r}; stages: "
+                         f"{sorted(parent.get('stages') or {})}")
     merged = _merge(parent, data)
-    merged["stages"] = {sid: stage for sid, stage in merged.get("stages", {}).items() if sid not in gone}
+    merged["stages"] = {sid: s for sid, s in merged.get("stages", {}).items() if sid not in gone}
     if gone and "edges" not in data:
-        merged["edges"] = [e for e in merged.get("edges", []) if isinstance(e, dict) and not gone & {
-            str(e.get(end, "")).partition(".")[0] for end in ("from", "to")}]
+        merged["edges"] = [
+            e for e in merged.get("edges", []) if isinstance(e, dict)
+            and not gone & {str(e.get(end, "")).partition(".")[0] for end in ("from", "to")}]
     return merged
 
 
 def _merge(base: Any, over: Any) -> Any:
-    """``over`` on top of ``base``: mappings of one ``type`` key by key, anything else replaced."""
-    if isinstance(base, dict) and isinstance(over, dict) and over.get("type", base.get("type")) == base.get("type"):
+    if (isinstance(base, dict) and isinstance(over, dict)
+            and over.get("type", base.get("type")) == base.get("type")):
         return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in over.items()}}
     return over
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    """A YAML mapping from ``path`` (the errors of `load_yaml`)."""
     if not path.is_file():
         raise ValueError(f"{path}: pipeline file not found")
     try:
@@ -79,24 +72,26 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: invalid YAML: {e}") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}; "
-                         "hint: save the pipeline as UTF-8") from None
+        raise ValueError(f"{path}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}; hint: save the pipeline as UTF-8") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a pipeline is a mapping with 'stages' and 'edges'")
     return data
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML loader that refuses duplicate keys (which plain YAML silently overwrites)."""
+    """Refuses duplicate keys, which plain YAML silently overwrites."""
 
 
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode,
+                       deep: bool = False) -> dict:
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (stage ids must be unique)", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (stage ids must be unique)",
+                key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -105,14 +100,11 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def apply_override(data: dict[str, Any], item: str, source: str) -> None:
-    """Apply one ``dotted.key=value`` override (value parsed as YAML) in place;
-    list items by index: ``edges.0.capacity=8`` or ``edges[0].capacity=8``.
-
-    Raises:
-        ValueError: the item has no ``=``, its value is not YAML, or it walks through a non-mapping.
-    """
+    """Apply one override such as ``edges[0].capacity=8`` (or ``edges.0.capacity=8``; the
+    value is YAML) in place; ValueError for no ``=``, bad YAML or a path through a leaf."""
     if "=" not in item:
-        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.source.config.num_groups=4")
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. "
+                         "stages.source.config.num_groups=4")
     key, value = item.split("=", 1)
     parts = key.replace("[", ".").replace("]", "").split(".")
     node: Any = data
@@ -120,17 +112,19 @@ def apply_override(data: dict[str, Any], item: str, source: str) -> None:
         part: str | int = name
         if isinstance(node, list):
             if not name.isdigit() or int(name) >= len(node):
-                raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])}: no such list index "
-                                 f"(the list has {len(node)} items)")
+                raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i + 1])}: no such "
+                                 f"list index (the list has {len(node)} items)")
             part = int(name)
         elif not isinstance(node, dict):
-            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a mapping nor a list")
+            raise ValueError(f"{source}: --set {key}: {'.'.join(parts[:i])} is neither a "
+                             "mapping nor a list")
         if i == len(parts) - 1:
             try:
                 node[part] = yaml.safe_load(value)
             except yaml.YAMLError as e:
-                raise ValueError(f"{source}: --set {item}: the value is not YAML: {e}; hint: quote the whole "
-                                 "item in the shell, e.g. --set 'key=[1, 2]'") from None
+                raise ValueError(f"{source}: --set {item}: the value is not YAML: {e}; hint: "
+                                 "quote the whole item in the shell, e.g. --set 'key=[1, 2]'"
+                                 ) from None
         else:
             node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
 
@@ -146,7 +140,8 @@ def validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> A
         if err["type"] == "extra_forbidden":
             known = _known_keys(model, tuple(err["loc"])[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close else f"; valid keys: {known}")
+            msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close
+                                   else f"; valid keys: {known}")
         elif err["type"] != "missing":
             msg += f"; got {err.get('input')!r}"
         raise ValueError(f"{source}: {path}: {msg}") from None
@@ -170,14 +165,11 @@ def _known_keys(model: Any, loc: tuple) -> list[str]:
 
 
 def import_class(path: str, where: str) -> type:
-    """Import ``pkg.module.Class``.
-
-    Raises:
-        ValueError: naming ``where``, with the nearest existing name as a hint.
-    """
+    """Import ``pkg.module.Class``; ValueError naming ``where`` and the nearest existing name."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ValueError(f"{where}: {path!r} is not an import path like 'stages.my_stage.MyStage'")
+        raise ValueError(f"{where}: {path!r} is not an import path like "
+                         "'stages.my_stage.MyStage'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -190,26 +182,26 @@ def import_class(path: str, where: str) -> type:
 
 
 def beside(data: dict[str, Any], path: Path) -> None:
-    """Make the pipeline files of ``data["requires"]`` (a pipeline YAML's, in place) absolute paths
-    from the folder of ``path``, that YAML (not from where ``molt run`` starts): a run's resolved
-    ``pipeline.yaml``, which its processes load, names the same files."""
+    """Resolve ``data["requires"]`` in place from the folder of the YAML ``path``, not from
+    where ``molt run`` starts."""
     if isinstance(data.get("requires"), dict):
         data["requires"] = {k: str((path.parent / v).resolve()) if isinstance(v, str) else v
                             for k, v in data["requires"].items()}
 
 
 def check_requires(requires: dict[str, str], source: str) -> None:
-    """Raises ValueError naming ``requires.NAME`` unless NAME is a model name and its file exists."""
+    """ValueError naming ``requires.NAME`` unless NAME is a model name and its file exists."""
     for name, file in requires.items():
         if "/" in name or not Path(file).is_file():
-            raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing pipeline file; "
-                             f"got {name!r}: {file!r}; hint: requires: {{MODEL_NAME: other_pipeline.yaml}}")
+            raise ValueError(f"{source}: requires.{name}: a model name (no '/') and an existing "
+                             f"pipeline file; got {name!r}: {file!r}; hint: requires: "
+                             "{MODEL_NAME: other_pipeline.yaml}")
 
 
 def differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
-    """The dotted keys at which two plain-data trees (YAML mappings) differ, e.g.
-    differing_keys({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c"]."""
+    """The dotted keys at which two YAML trees differ, e.g. ["a.c"]."""
     if isinstance(a, dict) and isinstance(b, dict):
         keys = sorted(set(a) | set(b), key=str)
-        return [k for key in keys for k in differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
+        return [k for key in keys
+                for k in differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
     return [] if a == b else [prefix.rstrip(".")]

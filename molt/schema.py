@@ -1,13 +1,8 @@
-"""The wire: Arrow schemas of every record that crosses an edge.
+"""The wire: Arrow schemas of every record that crosses an edge, each column declared once
+with its type and doc, and owned by the stage that adds it.
 
-One row of the trajectory record is one trajectory segment (DESIGN §3). Shapes use
-``T`` = number of tokens of the row's whole sequence (prompt + completion + env
-tokens), ``L`` = MoE layers, ``K`` = experts per token.
-
-Every column is declared once, here, with its Arrow type and a one-line doc; stages
-name the columns they read and write, and the pipeline checks each edge at load.
-A column has one owner (the stage that adds it); later stages add new columns
-instead of rewriting old ones.
+A trajectory row is one segment (DESIGN §3); ``T`` = tokens of its whole sequence (prompt,
+completion and env tokens), ``L`` = MoE layers, ``K`` = experts per token.
 """
 
 from __future__ import annotations
@@ -31,32 +26,27 @@ _F32_LIST = pa.list_(pa.float32())
 TRAJECTORY_FIELDS: tuple[pa.Field, ...] = (
     _field("sample_id", pa.string(), "unique id of this row"),
     _field("prompt_id", pa.string(), "group key: rows from the same prompt form one group"),
-    _field("rollout_id", pa.string(), "id of the rollout (episode) this segment belongs to"),
+    _field("rollout_id", pa.string(), "id of the rollout (episode) of this segment"),
     _field("segment_index", pa.int32(), "index of this segment within its rollout, from 0"),
     _field("token_ids", _I32_LIST, "[T] exact engine token ids of the whole sequence"),
     _field("loss_mask", pa.list_(pa.bool_()), "[T] true exactly on tokens the policy generated"),
-    _field("rollout_logprobs", _F32_LIST,
-           "[T] logprob (nats) each generated token was sampled with, after temperature; "
-           "0 where loss_mask is false"),
-    _field("policy_version", _I32_LIST,
-           "[T] optimizer steps in the weights that generated each token; -1 for prompt, "
-           "tool and environment tokens"),
-    _field("group_size", pa.int32(), "number of rollouts the rollout stage started for this prompt"),
+    _field("rollout_logprobs", _F32_LIST, "[T] logprob (nats) each generated token was "
+           "sampled with, after temperature; 0 where loss_mask is false"),
+    _field("policy_version", _I32_LIST, "[T] optimizer steps in the weights that generated "
+           "each token; -1 for prompt, tool and environment tokens"),
+    _field("group_size", pa.int32(), "rollouts the rollout stage started for this prompt"),
     _field("score", pa.float32(), "raw task score from the grader or env (never rewritten)"),
     _field("reward", pa.float32(), "reward used for advantages: score after shaping"),
     _field("advantages", _F32_LIST, "[T] per-token advantage; 0 where loss_mask is false"),
-    _field("ref_logprobs", _F32_LIST, "[T] logprob (nats) of each token under the reference model"),
+    _field("ref_logprobs", _F32_LIST, "[T] logprob (nats) of each token under the reference"),
     _field("teacher_logprobs", _F32_LIST, "[T] logprob (nats) of each token under a teacher"),
     _field("values", _F32_LIST, "[T] critic value estimate at each token"),
     _field("finish_reason", pa.string(), "why generation stopped: stop, length, abort, error, ..."),
-    _field("images", pa.list_(pa.binary()), "encoded images (PNG/JPEG bytes) of the row, in order; null: none"),
-    _field("image_token_positions", _I32_LIST,
-           "[total image tokens] positions in token_ids of the images' tokens, which the model's "
-           "processor expanded from one placeholder each, as many as each image has (molt.models.images)"),
-    _field("routed_experts", pa.binary(),
-           "[T, L, K] int16 (little-endian, C order) expert ids the engine routed each token to "
-           "(routing replay), -1 where it routed none; L, K: the policy's MoE layers and top-k; written by a "
-           "rollout with engine.record_routing: true"),
+    _field("images", pa.list_(pa.binary()), "encoded images (PNG/JPEG bytes); null: none"),
+    _field("image_token_positions", _I32_LIST, "[total image tokens] positions in token_ids of "
+           "the images' tokens, each image's placeholder expanded (molt.models.images)"),
+    _field("routed_experts", pa.binary(), "[T, L, K] int16 (little-endian, C order) expert ids "
+           "the engine routed each token to, -1 for none (engine.record_routing: true)"),
     _field("metadata", pa.string(), "JSON object: task fields, labels, diagnostics"),
 )
 
@@ -70,38 +60,34 @@ PER_TOKEN_COLUMNS = frozenset(
 )
 
 WEIGHT_VERSION_FIELDS: tuple[pa.Field, ...] = (
-    _field("policy_version", pa.int32(), "optimizer steps in these weights (0 = initial checkpoint)"),
-    _field("uri", pa.string(),
-           "where the weights are: file:///dev/shm/... (safetensors), nccl://group, cuda-ipc://..."),
+    _field("policy_version", pa.int32(), "optimizer steps in these weights (0 = initial)"),
+    _field("uri", pa.string(), "where the weights are: file:///dev/shm/... or nccl://..."),
     _field("format", pa.string(), "safetensors | nccl | cuda_ipc"),
-    _field("num_bytes", pa.int64(), "total size of the tensor bytes (bytes)"),
-    _field("tensor_names", pa.list_(pa.string()), "[N] Hugging Face names of every exported tensor"),
-    _field("tensor_digests", pa.list_(pa.string()),
-           "[N] digest of each tensor's dtype, shape and bytes (molt.refit.tensor_digest), "
-           "in tensor_names order; the engine recomputes them as it loads (refit verification)"),
-    _field("tensor_dtypes", pa.list_(pa.string()), "[N] torch dtype of each tensor without 'torch.' (float32, "
-           "bfloat16), in tensor_names order: a streamed transfer (format nccl) sizes its buffers by them"),
-    _field("tensor_shapes", pa.list_(pa.list_(pa.int64())), "[N][rank] shape of each tensor, tensor_names order"),
-    _field("probe_token_ids", _I32_LIST,
-           "[P] fixed probe token ids (molt.refit), the same every version; empty = no probe"),
-    _field("probe_logprobs", _F32_LIST,
-           "[P-1] the trainer's log_softmax(logits)[x_t] of probe token t given those before it, "
-           "temperature 1, t = 1..P-1; the engine's must match within probe_atol after the refit"),
-    _field("probe_atol", pa.float32(),
-           "largest |engine - trainer| probe logprob difference accepted (nats); null without a probe"),
+    _field("num_bytes", pa.int64(), "total size of the tensors (bytes)"),
+    _field("tensor_names", pa.list_(pa.string()), "[N] Hugging Face names of the tensors"),
+    _field("tensor_digests", pa.list_(pa.string()), "[N] molt.refit.tensor_digest of each "
+           "tensor"),
+    _field("tensor_dtypes", pa.list_(pa.string()), "[N] dtype of each tensor (float32, "
+           "bfloat16): nccl sizes its buffers by them"),
+    _field("tensor_shapes", pa.list_(pa.list_(pa.int64())), "[N][rank] shape of each tensor"),
+    _field("probe_token_ids", _I32_LIST, "[P] the refit probe's token ids (molt.refit); "
+           "empty = no probe"),
+    _field("probe_logprobs", _F32_LIST, "[P-1] the trainer's logprob of probe token t given "
+           "those before it, t = 1..P-1 (molt.refit)"),
+    _field("probe_atol", pa.float32(), "largest |engine - trainer| probe logprob difference "
+           "accepted (nats); null without a probe"),
     _field("created_unix_s", pa.float64(), "when the export finished (seconds since epoch)"),
 )
 
 DROP_NOTICE_FIELDS: tuple[pa.Field, ...] = (
     _field("filter_replica", pa.int32(), "replica of the group filter that sends the notice"),
-    _field("num_groups_dropped", pa.int64(),
-           "groups that replica has dropped so far, since the run began (a running count: a late or repeated "
-           "notice changes nothing; molt.agents.admission)"),
+    _field("num_groups_dropped", pa.int64(), "groups that replica has dropped since the run "
+           "began: a running count, so a late or repeated notice changes nothing"),
 )
 
 
 def make_schema(fields: Iterable[pa.Field], name: str) -> pa.Schema:
-    """Build a named schema carrying ``molt.schema_version`` and ``molt.name`` metadata."""
+    """A schema with ``molt.schema_version`` and ``molt.name`` metadata."""
     return pa.schema(list(fields), metadata={VERSION_KEY: SCHEMA_VERSION.encode(),
                                              b"molt.name": name.encode()})
 
@@ -117,11 +103,7 @@ def field_doc(field: pa.Field) -> str:
 
 
 def resolve_fields(columns: Sequence[str | pa.Field], where: str) -> list[pa.Field]:
-    """Turn column names (trajectory columns) or custom fields into fields.
-
-    Raises:
-        ValueError: a name that is not a trajectory column, naming ``where``.
-    """
+    """Fields of trajectory column names or custom fields; ValueError for an unknown name."""
     out = []
     for c in columns:
         if isinstance(c, pa.Field):
@@ -135,21 +117,12 @@ def resolve_fields(columns: Sequence[str | pa.Field], where: str) -> list[pa.Fie
 
 
 def batch_from_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.RecordBatch:
-    """Build a record batch from Python dicts, one per row.
-
-    Every field of ``schema`` must be a key of every row (use None for null);
-    extra keys are an error, so a typo never vanishes silently.
-
-    Example: ``batch_from_rows([{"x": 1}], pa.schema([("x", pa.int64())]))`` -> 1 row.
-
-    Raises:
-        ValueError: naming the row index and the column that is missing, unknown or
-            of the wrong type.
-    """
+    """A record batch of dicts, one per row, each with exactly the keys of ``schema`` (None
+    for null); ValueError naming the row and the column missing, unknown or of a wrong type."""
     names = schema.names
     for i, row in enumerate(rows):
         missing = [n for n in names if n not in row]
-        extra = [k for k in row if k not in schema.names]
+        extra = [k for k in row if k not in names]
         if missing or extra:
             raise ValueError(f"row {i}: columns do not match schema {schema_name(schema)!r}; "
                              f"missing {missing}, unknown {extra}")
@@ -157,18 +130,21 @@ def batch_from_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.
     for f in schema:
         try:
             arrays.append(pa.array([r[f.name] for r in rows], type=f.type))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+        except _CONVERT_ERRORS as e:
             bad = _first_bad_row(rows, f)
             raise ValueError(f"column {f.name!r}, row {bad}: cannot convert "
                              f"{rows[bad][f.name]!r} to {f.type}; {e}") from None
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
+_CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError)
+
+
 def _first_bad_row(rows: Sequence[Mapping[str, Any]], f: pa.Field) -> int:
     for i, r in enumerate(rows):
         try:
             pa.array([r[f.name]], type=f.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        except _CONVERT_ERRORS:
             return i
     return 0
 
@@ -178,7 +154,7 @@ def schema_name(schema: pa.Schema) -> str:
 
 
 def schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
-    """Describe how ``got`` differs from ``expected`` ('' when names and types agree)."""
+    """How ``got`` differs from ``expected`` ('' when names and types agree)."""
     exp = {f.name: f.type for f in expected}
     have = {f.name: f.type for f in got}
     parts = []
@@ -191,14 +167,15 @@ def schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
     return "; ".join(parts)
 
 
-def validate_batch(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> None:
-    """Check a batch against a schema and the per-token length rule.
-
-    Raises:
-        ValueError: ``where`` plus the column (and row) at fault.
-    """
+def _check_schema(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> None:
     if diff := schema_diff(schema, batch.schema):
         raise ValueError(f"{where}: batch does not match schema {schema_name(schema)!r}: {diff}")
+
+
+def validate_batch(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> None:
+    """ValueError naming ``where`` and the column (and row) unless ``batch`` has the columns
+    of ``schema`` and per-token columns as long as token_ids."""
+    _check_schema(batch, schema, where)
     if "token_ids" not in batch.schema.names:
         return
     lengths = batch.column("token_ids").value_lengths().to_pylist()
@@ -211,13 +188,8 @@ def validate_batch(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> None
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordBatch:
-    """Reorder a batch's columns to ``schema`` and attach its metadata.
-
-    Raises:
-        ValueError: when names or types differ (see :func:`schema_diff`).
-    """
-    if diff := schema_diff(schema, batch.schema):
-        raise ValueError(f"{where}: batch does not match schema {schema_name(schema)!r}: {diff}")
+    """``batch`` in the column order and with the metadata of ``schema`` (else ValueError)."""
+    _check_schema(batch, schema, where)
     if batch.schema.names != schema.names:
         batch = batch.select(schema.names)
     return pa.RecordBatch.from_arrays(batch.columns, schema=schema)

@@ -1,28 +1,19 @@
 """DynamicSampling: DAPO's filter that drops groups whose rewards are all equal.
 
-A group whose rollouts all got the same reward has exactly zero advantage under
-group-relative estimators and so no policy gradient (DAPO, arXiv 2503.14476, §3.2);
-dropping it keeps each optimizer step full of informative groups: the pack stage
-downstream takes a fixed number of groups per step, so it simply takes the next.
-Drops are never silent: ``groups_dropped`` and ``rows_dropped`` are counted, and
-recording this stage's input edge keeps every row for inspection.
-
-Under a staleness bound the rollout must learn of each drop, or it counts the dropped
-group as trained and waits for a version that never comes: with ``notify_drops: true``
-the filter sends its running count of dropped groups (molt.schema.DROP_NOTICE_SCHEMA)
-on ``drops`` after every batch that dropped one, over a broadcast feedback edge to the
-rollout's ``drops`` input (molt.agents.admission); the pipeline refuses a bounded
-rollout upstream without that edge. The count is checkpointed and sent again when a
-resumed run starts, since the rollout's own checkpoint may predate the last notices.
-
-Example: groups with rewards [1, 0, 1, 1] and [0, 0, 0, 0] -> the first is kept; the
-notice says ``{filter_replica: 0, num_groups_dropped: 1}``.
+Such a group has zero advantage under group-relative estimators, so no gradient (DAPO, arXiv
+2503.14476, §3.2); the pack stage takes the next group instead. Drops are counted. Under a
+staleness bound the rollout must hear of each drop or it waits for a version that never comes:
+``notify_drops: true`` sends the running count of dropped groups on ``drops`` after every batch
+that dropped one (a broadcast feedback edge to the rollout's ``drops``), and again when a
+resumed run starts.
+Example: groups with rewards [1, 0, 1, 1] and [0, 0, 0, 0] -> the first is kept; the notice says
+``{filter_replica: 0, num_groups_dropped: 1}``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, ClassVar
+from typing import Any
 
 import pyarrow as pa
 from pydantic import Field
@@ -36,12 +27,11 @@ class DynamicSampling(Transform):
     """Keeps the rows of groups whose rewards differ; counts what it drops."""
 
     class Config(StageConfig):
-        notify_drops: bool = Field(False, description="send the running count of dropped groups on 'drops' "
-                                   "(to a bounded-staleness rollout's 'drops' input)")
+        notify_drops: bool = Field(False, description="send the count of dropped groups on 'drops'")
 
     config: Config
-    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("prompt_id", "rollout_id", "reward"))}
-    drops_groups = True  # a bounded-staleness rollout upstream must hear of drops (molt.policy)
+    inputs = {"in": Port(reads=("prompt_id", "rollout_id", "reward"))}
+    drops_groups = True
 
     @classmethod
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
@@ -55,9 +45,10 @@ class DynamicSampling(Transform):
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
         prompts = batch.column("prompt_id").to_pylist()
         per_group: dict[str, dict[str, float]] = defaultdict(dict)
-        for p, r, x in zip(prompts, batch.column("rollout_id").to_pylist(), batch.column("reward").to_pylist()):
+        columns = (batch.column(c).to_pylist() for c in ("rollout_id", "reward"))
+        for p, r, x in zip(prompts, *columns):
             per_group[p][r] = x  # segments of one rollout share one reward: count it once
-        flat = {p for p, rewards in per_group.items() if is_flat(list(rewards.values()))}
+        flat = {p for p, group in per_group.items() if is_flat(list(group.values()))}
         keep = [p not in flat for p in prompts]
         self.num_groups_dropped += len(flat)
         self.metrics.count("groups_dropped", len(flat))
@@ -76,9 +67,9 @@ class DynamicSampling(Transform):
 
     async def _notify(self) -> None:
         if self.config.notify_drops and self.num_groups_dropped:
-            await self.send("drops", batch_from_rows([{"filter_replica": self.ctx.replica,
-                                                      "num_groups_dropped": self.num_groups_dropped}],
-                                                    DROP_NOTICE_SCHEMA))
+            notice = {"filter_replica": self.ctx.replica,
+                      "num_groups_dropped": self.num_groups_dropped}
+            await self.send("drops", batch_from_rows([notice], DROP_NOTICE_SCHEMA))
             self.num_notified = self.num_groups_dropped
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,30 +1,17 @@
-"""Evaluate: held-out accuracy of the policy, before training and every k versions, on one or several tasks.
+"""Evaluate: held-out accuracy of the policy, before training and every k versions, per task.
 
-Runs its own engine (vLLM by default) on the policy's model and listens to the trainer's published weights on
-``weights`` (a ``kind: broadcast`` edge). It evaluates the initial weights at start; then, for each
-task, whenever a version ``v`` with ``v % every_versions == 0`` has been published, the newest version
-received (``v`` unless newer ones were waiting or its file was pruned); and at end of stream the last
-version it saw on every task not evaluated at it (the final accuracy). Refits are verified
-(molt.engines.refit). A resumed run evaluates no version its metrics file holds already.
-
-One evaluation of a task (molt.agents.evaluation.Evaluator, as a rollout's ``evaluate:`` on the rollout's engine):
-every problem, one greedy completion each and, with ``samples: k``, k at the task's ``temperature``, graded by
-its ``grader``. It logs at step = policy version, under the stage id and, for one of ``tasks``, its name
-(``evaluate/accuracy``, ``evaluate/gsm8k/pass@8``)::
-
-    accuracy, accuracy_stderr    greedy; sqrt(p (1 - p) / n) for p right of n
-    pass@k, avg@k, maj@k         with k samples, each with _stderr
-    accuracy_baseline            the first evaluation's accuracy (version 0 in a fresh run)
-    num_problems, seconds, policy_version
-
-and sends one row per task and evaluation on ``out`` (EVAL_SCHEMA). Weight files: a record's file is
-hard-linked into this stage's own folder as it arrives, so the trainer's pruning (``keep_versions``)
-cannot delete a version still to be evaluated; only the newest link (and one being loaded) is kept.
+Runs its own engine, fed the trainer's weight records on ``weights`` (a broadcast edge). It
+evaluates the initial weights; then, per task, once a version ``v % every_versions == 0`` is
+published, the newest version received; at end of stream, the last version on every task not
+yet evaluated at it. Refits are verified; a resumed run skips the versions its metrics file
+holds. Metrics (molt.agents.evaluation) are logged at step = policy version
+(``evaluate/gsm8k/pass@8``), a row per task sent on ``out``. Each record's file is hard-linked
+here as it arrives, so the trainer's pruning cannot delete a version still to be evaluated.
 
     evaluate:
       class: stages.evaluate.Evaluate
       config: {task: {type: arithmetic, split: eval, num_problems: 500}, every_versions: 4}
-      # or {tasks: {a: {task: {...}}, b: {task: {...}, samples: 8, temperature: 0.8, every_versions: 16}}}
+      # or {tasks: {a: {task: {...}}, b: {task: {...}, samples: 8, every_versions: 16}}}
     edges:
       - {from: train.weights, to: evaluate.weights, kind: broadcast}
 """
@@ -34,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pyarrow as pa
 from pydantic import Field
@@ -51,14 +38,13 @@ class Evaluate(Service):
     """Weight-version records in; one evaluation row out per evaluated version and task."""
 
     class Config(EvaluationConfig):
-        model: str = policy_field("model", "smollm2-135m-instruct", description="the policy's initial model "
-                                  "(molt.policy: policy.model)")
+        model: str = policy_field("model", "smollm2-135m-instruct")
         engine: EngineConfig = Field(default_factory=EngineConfig)
-        tool_parser: str = policy_field("tool_parser", "hermes", description="molt.policy: policy.tool_parser")
+        tool_parser: str = policy_field("tool_parser", "hermes")
 
     config: Config
-    inputs: ClassVar[dict[str, Port]] = {"weights": Port()}
-    outputs: ClassVar[dict[str, Port]] = {"out": Port(schema=EVAL_SCHEMA)}
+    inputs = {"weights": Port()}
+    outputs = {"out": Port(schema=EVAL_SCHEMA)}
 
     def setup(self) -> None:
         from molt.models import resolve_model
@@ -67,7 +53,8 @@ class Evaluate(Service):
         self.evaluator = Evaluator(self, c, where, "out")
         model_dir, replica = resolve_model(c.model), self.ctx.replica
         self.chat = ChatTemplate.for_model(model_dir, c.tool_parser, f"{where}.tool_parser")
-        self.engine = make_engine(c.engine, str(model_dir), f"{where}.engine", replica, self.ctx.seed_for(replica))
+        self.engine = make_engine(c.engine, str(model_dir), f"{where}.engine", replica,
+                                  self.ctx.seed_for(replica))
         self.folder = scratch_folder("molt-eval-")
         self.newest: Path | None = None  # our newest link
         self.loading: Path | None = None  # the link an engine is loading
@@ -80,12 +67,13 @@ class Evaluate(Service):
         last: dict[str, Any] | None = None
         end = False
         while not end:
-            # 1) every record received  2) keep the newest linked one  3) load + evaluate the due tasks
+            # 1) every record received  2) keep the newest linked one  3) evaluate the due tasks
             waiting = [await received.get()]
             while not received.empty():
                 waiting.append(received.get_nowait())
             end = waiting[-1] is None
-            last = next((r for r in reversed(waiting) if r is not None and r["uri"] is not None), last)  # older: gone
+            linked = [r for r in waiting if r is not None and r["uri"] is not None]
+            last = linked[-1] if linked else last
             if last is not None:
                 await self._load_and_evaluate(last, self.evaluator.due(last["policy_version"]))
         await receiver  # raises what the receiver raised
@@ -94,7 +82,7 @@ class Evaluate(Service):
             await self._load_and_evaluate(last, self.evaluator.not_yet(last["policy_version"]))
 
     async def _receive(self, received: asyncio.Queue[dict[str, Any] | None]) -> None:
-        """Put each weight record on ``received`` with ``uri`` at our hard link (None: pruned); None at the end."""
+        """Put each weight record on ``received`` (`_keep`); None at the end."""
         try:
             while (item := await self.recv("weights")) is not None:
                 if isinstance(item, pa.RecordBatch):
@@ -104,21 +92,21 @@ class Evaluate(Service):
             received.put_nowait(None)
 
     def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The record with ``uri`` at a hard link of its file in our folder, now our newest link (the
-        previous one is dropped unless an engine is loading it); ``uri`` None if the trainer had
-        already pruned the file (it prunes only after writing a newer one, whose record follows)."""
+        """The record with ``uri`` at our newest link to its file (the previous link removed unless
+        being loaded); ``uri`` None if the file was pruned (a newer record follows)."""
         if record.get("format", "safetensors") not in FILE_FORMATS:
-            raise ValueError(f"stage {self.ctx.stage_id!r}: weight record v{record['policy_version']} comes over "
-                             f"{record['format']!r}; an evaluation loads files; hint: feed it from a train "
-                             "output published with transport {type: shm} (molt.train.publish)")
+            raise ValueError(f"stage {self.ctx.stage_id!r}: weight record "
+                             f"v{record['policy_version']} comes over {record['format']!r}; an "
+                             "evaluation loads files; hint: feed it from a train output published "
+                             "with transport {type: shm} (molt.train.publish)")
         source = Path(record["uri"].removeprefix("file://"))
         link = self.folder / f"v{record['policy_version']}{source.suffix}"
         if not link.exists():
             try:
                 link_weights(source, link)
             except FileNotFoundError:
-                self.log.warning("version %d was pruned before its record was read; a newer one follows",
-                                 record["policy_version"])
+                self.log.warning("version %d was pruned before its record was read; a newer one "
+                                 "follows", record["policy_version"])
                 return {**record, "uri": None}
         previous, self.newest = self.newest, link
         if previous is not None and previous not in (self.loading, link):
@@ -128,7 +116,8 @@ class Evaluate(Service):
     async def _load_and_evaluate(self, record: dict[str, Any], names: list[str]) -> None:
         if not names:
             return
-        self.loading = Path(record["uri"].removeprefix("file://"))  # set before any await: `_keep` spares it
+        # set before any await, so that `_keep` spares it
+        self.loading = Path(record["uri"].removeprefix("file://"))
         try:
             if record["policy_version"] != self.engine.policy_version:
                 await apply_weight_record(self.engine, record)
@@ -139,7 +128,6 @@ class Evaluate(Service):
         await self.evaluate(names)
 
     async def evaluate(self, names: list[str]) -> None:
-        """Evaluate the engine's current weights on each of ``names`` (molt.agents.evaluation.Evaluator.run)."""
         await self.evaluator.run(names)
 
     def close(self) -> None:

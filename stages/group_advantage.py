@@ -39,21 +39,23 @@ class GroupAdvantage(Transform):
     def ports(cls, config: StageConfig) -> tuple[dict[str, Port], dict[str, Port]]:
         assert isinstance(config, cls.Config)
         reads = ("prompt_id", "rollout_id", "loss_mask", "finish_reason",
-                 *(c for c in type(config.estimator).required_columns if c not in ("prompt_id", "rollout_id")))
+                 *(c for c in type(config.estimator).required_columns
+                   if c not in ("prompt_id", "rollout_id")))
         return {"in": Port(reads=reads)}, {"out": Port(passes="in", writes=("advantages",))}
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         names = batch.schema.names
-        rewards = np.array(batch.column("reward").to_numpy(zero_copy_only=False)) if "reward" in names else None
+        rewards = ([0.0] * batch.num_rows if "reward" not in names
+                   else np.array(batch.column("reward").to_numpy(zero_copy_only=False)))
         inputs = AdvantageInputs(
             prompt_ids=batch.column("prompt_id").to_pylist(),
             rollout_ids=batch.column("rollout_id").to_pylist(),
-            rewards=torch.as_tensor(rewards if rewards is not None else [0.0] * batch.num_rows,
-                                    dtype=torch.float32),
+            rewards=torch.as_tensor(rewards, dtype=torch.float32),
             loss_mask=padded(batch, "loss_mask", torch.bool),
             **{c: padded(batch, c, torch.float32) for c in _OPTIONAL if c in names})
         if torch.isnan(inputs.rewards).any():
-            bad = batch.column("sample_id")[int(torch.isnan(inputs.rewards).nonzero()[0])] if "sample_id" in names else "?"
+            row = int(torch.isnan(inputs.rewards).nonzero()[0])
+            bad = batch.column("sample_id")[row] if "sample_id" in names else "?"
             raise ValueError(f"column 'reward' is null in row {bad}; hint: count failed rollouts "
                              "before the advantage stage instead of passing a null reward")
         advantages = self.config.estimator.compute(inputs)  # [N, T]
@@ -61,9 +63,11 @@ class GroupAdvantage(Transform):
         column = unpadded(advantages, row_lengths(batch, "loss_mask"), pa.float32())
         return batch.append_column(COLUMNS["advantages"], column)
 
-    def _log(self, batch: pa.RecordBatch, inputs: AdvantageInputs, advantages: torch.Tensor) -> None:
+    def _log(self, batch: pa.RecordBatch, inputs: AdvantageInputs,
+             advantages: torch.Tensor) -> None:
         if "reward" not in batch.schema.names:
             return
-        rows = torch.where(inputs.loss_mask, advantages, 0).sum(1) / inputs.loss_mask.sum(1).clamp(min=1)
+        mask = inputs.loss_mask
+        rows = torch.where(mask, advantages, 0).sum(1) / mask.sum(1).clamp(min=1)
         self.metrics.log(group_metrics(inputs.prompt_ids, inputs.rollout_ids, inputs.rewards,
                                        batch.column("finish_reason").to_pylist(), rows))

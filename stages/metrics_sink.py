@@ -1,25 +1,22 @@
 """MetricsSink: the end of a pipeline; counts rows and logs numeric column means.
 
-After each batch it logs ``{column}_mean`` of every float/int scalar column it has
-seen (e.g. ``reward_mean``, ``score_mean``), averaged over every row so far (nulls
-skipped), and ``rows_total``, so a run's summary describes the whole run.
+After each batch it logs ``rows_total`` and ``{column}_mean`` of every numeric scalar column
+seen, over every row so far (nulls skipped).
 Example: batches with score [1, 0] then [1, 1] -> score_mean 0.5, then 0.75.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from molt.runtime.stage import Port, Transform
+from molt.runtime.stage import Transform
 
 
 class MetricsSink(Transform):
     """Consumes every row; outputs nothing."""
 
-    outputs: ClassVar[dict[str, Port]] = {}
+    outputs = {}
 
     def setup(self) -> None:
         self.num_rows = 0
@@ -35,7 +32,6 @@ class MetricsSink(Transform):
                 acc[1] += len(col) - col.null_count
         self.metrics.log({f"{k}_mean": s / n for k, (s, n) in self.sums.items() if n})
         self.metrics.log({"rows_total": self.num_rows}, reduce={"rows_total": "sum"})
-        return None
 
     def state_dict(self) -> dict:
         return {"num_rows": self.num_rows, "sums": self.sums}

@@ -1,32 +1,16 @@
-"""Pack: gathers exactly ``groups_per_step`` prompt groups per optimizer step and
-places their rows on data-parallel ranks and micro-batches (DESIGN §8).
+"""Pack: gathers ``groups_per_step`` prompt groups per optimizer step and places their rows on
+data-parallel ranks and micro-batches.
 
-Input: trajectory batches holding whole groups (from an advantage stage; a batch may
-hold several groups, a group never spans batches). Output: ONE record batch per
-step, rows ordered by (dp_rank, micro_batch), every input column passed through plus:
+Input: batches of whole groups. Output: one batch per step, rows ordered by (dp_rank,
+micro_batch), the input columns plus STEP_FIELDS (where each row trains; the step's loss
+denominators). Rows are never split, nor are the rows of a group that share their prompt, which
+the trainer forwards and a micro-batch's budget counts once (molt.train.packing). Checkpoint:
+the next step and the groups held for it (an Arrow file beside the JSON). At end of stream a
+partial step is dropped and counted (``groups_dropped``), unless ``flush_partial: true`` trains
+it.
+Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
 
-    step              int32  optimizer step this row trains in (0, 1, ...)
-    dp_rank           int32  data-parallel rank that trains the row
-    micro_batch       int32  micro-batch index on that rank; every rank has the same
-                             number M = max(micro_batch) + 1 of micro-batches (a rank
-                             may have an empty one: the trainer runs a zero-loss dummy)
-    step_loss_tokens  int64  the step's loss_mask tokens over all ranks (loss denominator)
-    step_loss_seqs    int64  the step's rows with >= 1 loss_mask token (seq-mean denominator)
-
-Rows whose loss_mask is all false are trained (they count in the token budget) and
-add 0 to both denominators, as molt.algorithms.aggregation counts them. Sequences
-are never split, nor are the rows of a group that share their prompt (the trainer
-forwards such a prompt once: molt.train.packing.prefix_units), so a micro-batch's
-budget counts the prompt once; see molt.train.packing for the balancing and filling rules.
-
-Checkpoint: the next step number and the groups held for it (an Arrow file beside the
-JSON), so a resumed run trains them in the same step.
-
-End of stream: a partial step (fewer than ``groups_per_step`` groups) is dropped and
-counted (``groups_dropped``), unless ``flush_partial: true`` trains it as a smaller
-step. Example: 7 groups, 2 per step -> steps 0-2 emitted, 1 group dropped.
-
-    pack: {class: stages.pack.Pack, config: {max_tokens_per_micro_batch: 4096}}  # world_size: the train stage's
+    pack: {class: stages.pack.Pack, config: {max_tokens_per_micro_batch: 4096}}
 """
 
 from __future__ import annotations
@@ -47,25 +31,24 @@ from molt.policy import policy_field
 from molt.runtime.stage import Port, Service, StageConfig
 from molt.train.packing import plan_step, prefix_units, unit_tokens
 
-STEP_FIELDS = (
-    pa.field("step", pa.int32(), metadata={b"doc": b"optimizer step this row trains in"}),
-    pa.field("dp_rank", pa.int32(), metadata={b"doc": b"data-parallel rank that trains this row"}),
-    pa.field("micro_batch", pa.int32(), metadata={b"doc": b"micro-batch index on its rank"}),
-    pa.field("step_loss_tokens", pa.int64(), metadata={b"doc": b"loss_mask tokens of the whole step"}),
-    pa.field("step_loss_seqs", pa.int64(), metadata={b"doc": b"rows with >= 1 loss_mask token in the step"}),
-)
+STEP_FIELDS = tuple(pa.field(name, type_, metadata={b"doc": doc}) for name, type_, doc in (
+    ("step", pa.int32(), b"optimizer step this row trains in (0, 1, ...)"),
+    ("dp_rank", pa.int32(), b"data-parallel rank that trains this row"),
+    ("micro_batch", pa.int32(), b"micro-batch index on its rank; every rank has as many"),
+    ("step_loss_tokens", pa.int64(), b"loss_mask tokens of the whole step (loss denominator)"),
+    ("step_loss_seqs", pa.int64(), b"rows with >= 1 loss_mask token in the step (seq-mean "
+                                   b"denominator)")))
 
 
 class Pack(Service):
     """Groups in, one placed step batch out per ``groups_per_step`` groups."""
 
     class Config(StageConfig):
-        groups_per_step: int = policy_field("groups_per_step", 8, ge=1, description="prompt groups per optimizer "
-                                            "step (molt.policy: policy.groups_per_step)")
-        world_size: int = Field(1, ge=1, description="data-parallel ranks of the train stage; unset: the world_size "
-                                "of the stage it feeds (molt.runtime.pipeline)", json_schema_extra=FOLLOWS_WORLD_SIZE)
-        max_tokens_per_micro_batch: int = Field(4096, ge=1, description="token budget of one packed forward")
-        flush_partial: bool = Field(False, description="train a last partial step instead of dropping it")
+        groups_per_step: int = policy_field("groups_per_step", 8, ge=1)
+        world_size: int = Field(1, ge=1, json_schema_extra=FOLLOWS_WORLD_SIZE,
+                                description="ranks of the train stage; unset: its world_size")
+        max_tokens_per_micro_batch: int = Field(4096, ge=1, description="of one packed forward")
+        flush_partial: bool = Field(False, description="train a last partial step, not drop it")
 
     config: Config
     inputs = {"in": Port(reads=("prompt_id", "sample_id", "token_ids", "loss_mask"))}
@@ -76,22 +59,23 @@ class Pack(Service):
         self.step = 0
 
     async def run(self) -> None:
+        per_step = self.config.groups_per_step
         while (item := await self.recv("in")) is not None:
             # 1) receive  2) split into groups  3) emit every complete step
             if isinstance(item, Barrier):
                 await self.barrier(item.step)
                 continue
             self.groups += split_groups(item)
-            while len(self.groups) >= self.config.groups_per_step:
-                take, self.groups = self.groups[:self.config.groups_per_step], self.groups[self.config.groups_per_step:]
+            while len(self.groups) >= per_step:
+                take, self.groups = self.groups[:per_step], self.groups[per_step:]
                 await self.send("out", self.place(take))
         # 4) end of stream: the partial step
         if self.groups and self.config.flush_partial:
             self.log.info("end of stream: training a partial step of %d groups", len(self.groups))
             await self.send("out", self.place(self.groups))
         elif self.groups:
-            self.log.warning("end of stream: dropping %d groups of a partial step (flush_partial: false)",
-                             len(self.groups))
+            self.log.warning("end of stream: dropping %d groups of a partial step (flush_partial: "
+                             "false)", len(self.groups))
             self.metrics.count("groups_dropped", len(self.groups))
         self.metrics.flush_counters()
 
@@ -102,13 +86,14 @@ class Pack(Service):
         self.step, self.num_groups_held = state["step"], state["num_groups_held"]
 
     def save_checkpoint(self, folder: Path) -> None:
-        if self.groups:  # held groups first, the JSON (written by super) marks completion
+        if self.groups:  # the held groups first: the JSON (written by super) marks completion
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{self.ctx.stage_id}.{self.ctx.replica}.arrow.tmp"
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, self.groups[0].schema) as writer:
+            path = folder / f"{self.ctx.stage_id}.{self.ctx.replica}.arrow"
+            tmp = path.with_name(f".{path.name}.tmp")
+            with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, self.groups[0].schema) as out:
                 for group in self.groups:
-                    writer.write_batch(group)
-            tmp.rename(folder / f"{self.ctx.stage_id}.{self.ctx.replica}.arrow")
+                    out.write_batch(group)
+            tmp.rename(path)
         super().save_checkpoint(folder)
 
     def load_checkpoint(self, folder: Path) -> None:
@@ -119,37 +104,37 @@ class Pack(Service):
                 reader = pa.ipc.open_file(source)
                 self.groups = [reader.get_batch(i) for i in range(reader.num_record_batches)]
         if len(self.groups) != self.num_groups_held:
-            raise ValueError(f"checkpoint {folder}: {path.name} holds {len(self.groups)} groups, its JSON "
-                             f"{self.num_groups_held}; hint: the checkpoint was altered, resume from another one")
+            raise ValueError(f"checkpoint {folder}: {path.name} holds {len(self.groups)} groups, "
+                             f"its JSON {self.num_groups_held}; hint: the checkpoint was altered, "
+                             "resume from another one")
 
     def place(self, groups: list[pa.RecordBatch]) -> pa.RecordBatch:
-        """One step batch of ``groups``, with the step columns, ordered by rank and micro-batch."""
-        batch = pa.Table.from_batches(groups).combine_chunks().to_batches()[0]
-        lengths = row_lengths(batch, "token_ids")
-        # Rows sharing a prompt are one unit (the trainer forwards the prompt once): placed together.
-        tokens = batch.column("token_ids").to_pylist()
-        units = prefix_units(tokens, batch.column("loss_mask").to_pylist(), row_images(batch))  # images: as the trainer
+        """The step batch of ``groups``: STEP_FIELDS added, ordered by rank and micro-batch."""
+        c, batch = self.config, pa.Table.from_batches(groups).combine_chunks().to_batches()[0]
+        tokens, masks = batch.column("token_ids").to_pylist(), batch.column("loss_mask").to_pylist()
+        # Rows sharing a prompt are one unit, placed together (images: as the trainer keys them).
+        units = prefix_units(tokens, masks, row_images(batch))
         cost = unit_tokens(tokens, units)
-        unit_plan = plan_step(cost, self.config.world_size, self.config.max_tokens_per_micro_batch)
-        plan_rank, plan_micro = np.zeros(batch.num_rows, np.int32), np.zeros(batch.num_rows, np.int32)
-        for u, (members, _) in enumerate(units):
-            plan_rank[members], plan_micro[members] = unit_plan.dp_rank[u], unit_plan.micro_batch[u]
-        if (over := max(cost, default=0)) > self.config.max_tokens_per_micro_batch:
-            self.log.warning("a prompt group of %d tokens exceeds max_tokens_per_micro_batch %d; it is trained "
-                             "alone", over, self.config.max_tokens_per_micro_batch)
-        mask_counts = np.array([sum(m) for m in batch.column("loss_mask").to_pylist()], np.int64)
+        plan = plan_step(cost, c.world_size, c.max_tokens_per_micro_batch)
         n = batch.num_rows
-        columns = [np.full(n, self.step, np.int32), plan_rank, plan_micro, np.full(n, int(mask_counts.sum()), np.int64),
+        rank, micro = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        for u, (members, _) in enumerate(units):
+            rank[members], micro[members] = plan.dp_rank[u], plan.micro_batch[u]
+        if (over := max(cost, default=0)) > c.max_tokens_per_micro_batch:
+            self.log.warning("a prompt group of %d tokens exceeds max_tokens_per_micro_batch %d; "
+                             "it is trained alone", over, c.max_tokens_per_micro_batch)
+        mask_counts = np.array([sum(m) for m in masks], np.int64)
+        loss_tokens = int(mask_counts.sum())
+        columns = [np.full(n, self.step, np.int32), rank, micro, np.full(n, loss_tokens, np.int64),
                    np.full(n, int((mask_counts > 0).sum()), np.int64)]
         for f, values in zip(STEP_FIELDS, columns):
             batch = batch.append_column(f, pa.array(values, f.type))
-        order = np.lexsort((plan_micro, plan_rank))
-        self.metrics.log({"step": self.step, "groups": len(groups), "rows": n, "tokens": int(lengths.sum()),
-                          "tokens_forwarded": sum(cost), "loss_tokens": int(mask_counts.sum()),
-                          "micro_batches": unit_plan.num_micro_batches},
-                         step=self.step)
+        self.metrics.log({"step": self.step, "groups": len(groups), "rows": n,
+                          "tokens": int(row_lengths(batch, "token_ids").sum()),
+                          "tokens_forwarded": sum(cost), "loss_tokens": loss_tokens,
+                          "micro_batches": plan.num_micro_batches}, step=self.step)
         self.step += 1
-        return batch.take(pa.array(order))
+        return batch.take(pa.array(np.lexsort((micro, rank))))
 
 
 def split_groups(batch: pa.RecordBatch) -> list[pa.RecordBatch]:
@@ -158,5 +143,4 @@ def split_groups(batch: pa.RecordBatch) -> list[pa.RecordBatch]:
     Example: prompt_id [a, a, b, a] -> [rows 0, 1, 3], [row 2].
     """
     ids = batch.column("prompt_id")
-    order = list(dict.fromkeys(ids.to_pylist()))
-    return [batch.filter(pc.equal(ids, pid)) for pid in order]
+    return [batch.filter(pc.equal(ids, pid)) for pid in dict.fromkeys(ids.to_pylist())]

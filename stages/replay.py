@@ -1,10 +1,9 @@
 """ReplaySource: re-emits a recorded edge, batch for batch, bit-identical.
 
-``path`` is a recorded ``.arrow`` file or a folder of them (``RUN_DIR/record/EDGE``,
-one file per producer replica, read in name order). The output schema is the
-recording's, read when the pipeline loads, so a replayed edge is checked against
-its consumers like a live one. ``skip`` drops the first batches of named files (``{"rollout.0.arrow":
-12}``): what was recorded before a checkpoint, for ``molt replay --from-step``.
+``path`` is a recorded ``.arrow`` file or a folder of them (``RUN_DIR/record/EDGE``, one per
+producer replica, read in name order). The output schema is the recording's, so a replayed edge
+is checked against its consumers at load like a live one. ``skip`` drops the first batches of
+named files (``{"rollout.0.arrow": 12}``), for ``molt replay --from-step``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class ReplaySource(Source):
 
     class Config(StageConfig):
         path: str
-        skip: dict[str, int] = Field(default_factory=dict, description="file name -> leading batches to skip")
+        skip: dict[str, int] = Field(default_factory=dict)  # file name -> leading batches to skip
 
     config: Config
 
@@ -36,8 +35,10 @@ class ReplaySource(Source):
     def setup(self) -> None:
         if self.ctx.num_replicas != 1:
             raise ValueError(f"stages.{self.ctx.stage_id}.replicas: a replay source re-emits one "
-                             f"recording in order; got {self.ctx.num_replicas} replicas; hint: use 1")
+                             f"recording in order; got {self.ctx.num_replicas} replicas; hint: "
+                             "use 1")
 
     def generate(self) -> Iterator[pa.RecordBatch]:
         for path in recording_files(self.config.path):
-            yield from itertools.islice(read_batches(path), self.config.skip.get(path.name, 0), None)
+            skip = self.config.skip.get(path.name, 0)
+            yield from itertools.islice(read_batches(path), skip, None)

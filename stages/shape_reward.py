@@ -1,24 +1,19 @@
 """ShapeReward: ``reward`` = ``score`` plus DAPO's soft overlong punishment.
 
-``reward = score + overlong_penalty_factor * penalty(L)`` where ``L`` is the number
-of generated tokens (``sum(loss_mask)``) and ``penalty`` is
-:func:`molt.algorithms.dapo.overlong_penalty` (DAPO, arXiv 2503.14476, eq. 13) with
-``L_max`` = ``max_new_tokens`` and ``L_cache`` = ``overlong_buffer_tokens``.
-A null score (a failed rollout) stays null. With
-``overlong_buffer_tokens: 0`` (the default) nothing is shaped and reward == score.
-Example: L_max 16, L_cache 4, L 14 -> penalty (12 - 14) / 4 = -0.5.
+``reward = score + overlong_penalty_factor * penalty(L)``, L the number of generated tokens
+(``sum(loss_mask)``) and ``penalty`` molt.algorithms.dapo.overlong_penalty (DAPO, arXiv
+2503.14476, eq. 13) with ``L_max`` = ``max_new_tokens`` and ``L_cache`` =
+``overlong_buffer_tokens``; 0 (the default) shapes nothing. A null score (a failed rollout)
+stays null. Example: L_max 16, L_cache 4, L 14 -> penalty (12 - 14) / 4 = -0.5.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field
-
 import torch
+from pydantic import Field
 
 from molt.algorithms.dapo import overlong_penalty
 from molt.schema import COLUMNS
@@ -33,15 +28,16 @@ class ShapeReward(Transform):
         overlong_buffer_tokens: int = Field(0, ge=0, description="L_cache; 0 = no shaping")
         overlong_penalty_factor: float = Field(1.0, ge=0)
 
-    inputs: ClassVar[dict[str, Port]] = {"in": Port(reads=("score", "loss_mask"))}
-    outputs: ClassVar[dict[str, Port]] = {"out": Port(passes="in", writes=("reward",))}
+    inputs = {"in": Port(reads=("score", "loss_mask"))}
+    outputs = {"out": Port(passes="in", writes=("reward",))}
     config: Config
 
     def setup(self) -> None:
         c = self.config
         if c.overlong_buffer_tokens > c.max_new_tokens:
             raise ValueError(f"stages.{self.ctx.stage_id}.config.overlong_buffer_tokens: "
-                             f"{c.overlong_buffer_tokens} exceeds max_new_tokens {c.max_new_tokens}")
+                             f"{c.overlong_buffer_tokens} exceeds max_new_tokens "
+                             f"{c.max_new_tokens}")
 
     def process(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         c = self.config

@@ -1,12 +1,10 @@
 """SyntheticSource: seeded, well-formed trajectory groups without a model.
 
-Use it to exercise everything downstream of rollout (reward shaping, advantages,
-packing, training) and the runtime itself without an engine: each group has
-``group_size`` rollouts of one prompt; prompt tokens carry ``policy_version`` -1
-and ``loss_mask`` false, completion tokens carry version 0, a random logprob in
-(-3, 0] and ``loss_mask`` true; ``score`` is 0 or 1. ``checkpoint_every_batches: k``
-emits ``Barrier(b)`` after every k-th batch (b = batches so far); its state is the
-number of batches emitted, so a resumed run continues with the next one.
+Each group has ``group_size`` rollouts of one prompt; prompt tokens carry ``policy_version`` -1
+and ``loss_mask`` false, completion tokens version 0, a random logprob in (-3, 0] and
+``loss_mask`` true; ``score`` is 0 or 1. Replica r of N emits groups r, r + N, ...
+``checkpoint_every_batches: k`` emits ``Barrier(b)`` after every k-th batch (b = batches so
+far, the state).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from typing import ClassVar
 
 import pyarrow as pa
 from pydantic import Field
@@ -37,14 +34,13 @@ class SyntheticSource(Source):
         prompt_tokens: int = Field(8, ge=1, description="tokens per prompt")
         max_new_tokens: int = Field(16, ge=1, description="completion length is 1..this")
         vocab_size: int = Field(1000, ge=2)
-        seed: int | None = Field(None, description="None = the run's (molt.runtime.seeds)")
+        seed: int | None = Field(None, description="None = the run's")
         checkpoint_every_batches: int = Field(0, ge=0, description="0 = no checkpoint barriers")
 
-    outputs: ClassVar[dict[str, Port]] = {"out": Port(writes=WRITES)}
+    outputs = {"out": Port(writes=WRITES)}
     config: Config
 
     def setup(self) -> None:
-        # Replicas draw disjoint groups: replica r emits groups r, r+N, r+2N, ...
         self.schema = make_schema(resolve_fields(WRITES, "SyntheticSource"), "trajectory")
         self.num_batches = 0
 

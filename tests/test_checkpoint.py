@@ -18,7 +18,7 @@ from molt.runtime.runner import Runner
 from tests.conftest import SINK, SOURCE, run_spec
 from tests.test_train import rl_pipeline
 
-MOLT = [sys.executable, "-m", "molt.commands.cli"]
+MOLT = [sys.executable, "-m", "molt"]
 
 
 def batch(i):

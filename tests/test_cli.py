@@ -1,4 +1,4 @@
-"""molt inspect, replay_spec and --set, without starting a run."""
+"""The molt command (click): inspect, graph, replay_spec and --set, and how it starts and fails."""
 
 import json
 import os
@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
-from molt.commands.cli import main
+from molt.commands import main
 from molt.commands.replay import replay_spec
 from molt.runtime.recording import RecordWriter, read_batches, summarize
 from molt.schema import COLUMNS, batch_from_rows, make_schema
@@ -23,26 +24,32 @@ def _recording(tmp_path):
     return path
 
 
+def molt(*args):
+    """``molt ARGS`` in this process: the result's exit_code, stdout and stderr."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
 class FakeTokenizer:
     def decode(self, ids):
         return "".join(chr(ord("a") + i) for i in ids)
 
 
-def test_inspect_prints_rows_columns_docs_and_a_decoded_sample(tmp_path, capsys):
+def test_inspect_prints_rows_columns_docs_and_a_decoded_sample(tmp_path):
     path = _recording(tmp_path)
-    assert main(["inspect", str(path.parent)]) == 0
-    out = capsys.readouterr().out
+    done = molt("inspect", path.parent)
+    assert done.exit_code == 0, done.output
+    out = done.stdout
     assert "1 file(s), 1 rows, 1 batches" in out and "molt.schema_version" in out
     assert "true exactly on tokens the policy generated" in out and 'sample_id: "a"' in out
     assert summarize(path, FakeTokenizer()).endswith("text:\n    context | b\n    policy  | cd")
 
 
-def test_inspect_names_a_missing_file(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "nope.arrow")]) == 2
-    assert "nope.arrow' does not exist" in capsys.readouterr().err
+def test_inspect_names_a_missing_file(tmp_path):
+    done = molt("inspect", tmp_path / "nope.arrow")
+    assert done.exit_code == 2 and "nope.arrow' does not exist" in done.stderr
 
 
-def test_a_recording_cut_off_inside_a_batch_is_named_with_its_whole_batches(tmp_path, capsys):
+def test_a_recording_cut_off_inside_a_batch_is_named_with_its_whole_batches(tmp_path):
     schema = make_schema([COLUMNS[c] for c in ("sample_id", "token_ids", "loss_mask", "score")], "trajectory")
     path = tmp_path / "rec" / "x.0.arrow"
     w = RecordWriter(path)
@@ -52,41 +59,67 @@ def test_a_recording_cut_off_inside_a_batch_is_named_with_its_whole_batches(tmp_
     w.close()
     data = path.read_bytes()
     path.write_bytes(data[:len(data) - 900])  # a kill inside the third batch
-    assert main(["inspect", str(path)]) == 2
-    assert f"{path}: cut off or corrupt after 2 whole batches" in capsys.readouterr().err
+    done = molt("inspect", path)
+    assert done.exit_code == 2 and f"{path}: cut off or corrupt after 2 whole batches" in done.stderr
 
 
 def test_a_replay_of_a_cut_off_recording_delivers_the_whole_batches_then_fails_naming_the_file(tmp_path, no_orphans):
     smoke = ["--set", "stages.source.config.num_groups=8"]
-    assert main(["run", "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "run"), *smoke]) == 0
+    assert molt("run", "pipelines/smoke.yaml", "--run-dir", tmp_path / "run", *smoke).exit_code == 0
     [path] = (tmp_path / "run" / "record" / "advantage.out--sink.in").glob("*.arrow")
     rows = [b.num_rows for b in read_batches(path)]
     whole = len(rows)
     path.write_bytes(path.read_bytes()[:-200])
-    assert main(["replay", str(path), "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "replay")]) == 1
+    assert molt("replay", path, "pipelines/smoke.yaml", "--run-dir", tmp_path / "replay").exit_code == 1
     summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
     assert f"{path}: cut off or corrupt after {whole - 1} whole batches" in summary["error"]
     delivered = sum(b.num_rows for b in read_batches(tmp_path / "replay" / "record"))
     assert delivered == sum(rows[:-1]), "the whole batches before the cut reached the sink"
 
 
-def test_bad_files_and_values_are_named(tmp_path, capsys):
+def test_bad_files_and_values_are_named(tmp_path):
     bad = tmp_path / "p.yaml"
     bad.write_bytes(b"name: caf\xe9\n")  # Latin-1, not UTF-8
-    for argv in (["graph", str(bad)], ["replay", str(tmp_path / "r.arrow"), str(bad)]):
-        assert main(argv) == 2
-        assert f"{bad}: not UTF-8 text: byte 0xe9 at offset 9" in capsys.readouterr().err
-    assert main(["replay", str(tmp_path / "r.arrow"), str(tmp_path / "missing.yaml")]) == 2
-    assert "missing.yaml: pipeline file not found" in capsys.readouterr().err
-    assert main(["graph", "pipelines/smoke.yaml", "--set", "name=[unclosed"]) == 2
-    assert "--set name=[unclosed: the value is not YAML" in capsys.readouterr().err
+    for argv in (["graph", bad], ["replay", tmp_path / "r.arrow", bad]):
+        done = molt(*argv)
+        assert done.exit_code == 2 and f"{bad}: not UTF-8 text: byte 0xe9 at offset 9" in done.stderr
+    done = molt("replay", tmp_path / "r.arrow", tmp_path / "missing.yaml")
+    assert done.exit_code == 2 and "missing.yaml: pipeline file not found" in done.stderr
+    done = molt("graph", "pipelines/smoke.yaml", "--set", "name=[unclosed")
+    assert done.exit_code == 2 and "--set name=[unclosed: the value is not YAML" in done.stderr
 
 
-def test_graph_reports_a_yaml_error_with_exit_code_2(tmp_path, capsys):
+def test_graph_reports_a_yaml_error_with_exit_code_2(tmp_path):
     bad = tmp_path / "p.yaml"
     bad.write_text("stages: {a: {class: stages.metrics_sink.MetricsSink, confg: {}}}\n")
-    assert main(["graph", str(bad)]) == 2
-    assert "stages.a.confg: unknown key; did you mean 'config'?" in capsys.readouterr().err
+    done = molt("graph", bad)
+    assert done.exit_code == 2 and "stages.a.confg: unknown key; did you mean 'config'?" in done.stderr
+    assert done.stderr.startswith("molt: error: ")
+
+
+def test_molt_help_lists_every_command_with_one_line_and_each_parses_its_options():
+    done = molt("--help")
+    assert done.exit_code == 0 and "_MOLT_COMPLETE=bash_source molt" in done.stdout
+    listed = done.stdout.split("Commands:\n")[1].splitlines()
+    names = ["compare", "eval", "export", "graph", "inspect", "models", "plot", "replay", "run", "sweep"]
+    assert [line.split()[0] for line in listed] == names
+    assert all(not line.endswith("...") for line in listed), listed
+    for name in names:
+        assert molt(name, "--help").exit_code == 0
+    for sub in ("prepare", "upcycle", "vlm"):
+        assert molt("models", sub, "-h").exit_code == 0
+    assert molt("run", "--help").stdout.count("--set KEY=VALUE") == 1
+    assert molt("sweep", "pipelines/smoke.yaml").exit_code == 2  # --seeds is required
+    assert molt("eval", "x", "--engine", "tgi").exit_code == 2  # not a choice
+    assert molt().exit_code == 2  # a command is required
+
+
+def test_shell_completion_is_clicks_own():
+    done = CliRunner().invoke(main, [], prog_name="molt", env={"_MOLT_COMPLETE": "bash_source"})
+    assert done.exit_code == 0 and "_MOLT_COMPLETE=bash_complete" in done.stdout
+    env = {"_MOLT_COMPLETE": "bash_complete", "COMP_WORDS": "molt re", "COMP_CWORD": "1"}
+    done = CliRunner().invoke(main, [], prog_name="molt", env=env)
+    assert done.stdout.split() == ["plain,replay"]
 
 
 def test_replay_spec_replaces_everything_upstream_of_the_target():
@@ -127,7 +160,7 @@ def test_a_torchvision_that_does_not_import_is_named_before_anything_starts(tmp_
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.getcwd()}"}
     for args in (["run", "pipelines/smoke.yaml", "--run-dir", str(tmp_path / "run")],
                  ["sweep", "pipelines/smoke.yaml", "--seeds", "1", "--out", str(tmp_path / "sweep")]):
-        out = subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, env=env,
+        out = subprocess.run([sys.executable, "-m", "molt", *args], capture_output=True, text=True, env=env,
                              timeout=120)
         assert out.returncode == 2, out.stderr[-2000:]
         assert "torchvision is installed but does not import beside torch: RuntimeError: operator torchvision::nms" \

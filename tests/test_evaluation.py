@@ -7,7 +7,9 @@ import math
 import pytest
 
 from molt.runtime.checkpoint import checkpoint_at_version
-from molt.commands.cli import main
+from click.testing import CliRunner
+
+from molt.commands import main
 from molt.commands.eval import parse_task
 from molt.agents import ChatTemplate
 from molt.agents.evaluation import evaluate, load_problems, majority_score, pass_at_k, sampled_metrics, summarise
@@ -71,10 +73,16 @@ def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
         parse_task("pipelines/smoke.yaml")
 
 
-def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights(full_rl_run, tmp_path, capsys):
+def molt(*args):
+    """``molt ARGS`` in this process: the result's exit_code, stdout and stderr."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights(full_rl_run, tmp_path):
     task = "{type: arithmetic, split: eval, num_problems: 4, max_new_tokens: 4}"
     common = ["--task", task, "--engine", "transformers", "--samples", "3", "--temperature", "1.0", "--seed", "1"]
-    assert main(["eval", str(full_rl_run), "--version", "2", *common, "--json", str(tmp_path / "run.json")]) == 0
+    done = molt("eval", full_rl_run, "--version", "2", *common, "--json", tmp_path / "run.json")
+    assert done.exit_code == 0, done.output
     report = json.loads((tmp_path / "run.json").read_text())
     folder, trainer = checkpoint_at_version(full_rl_run, {"source.0", "train.0"}, 2)
     assert report["policy_version"] == 2 and report["model"] == str(folder / trainer)
@@ -82,27 +90,28 @@ def test_molt_eval_of_a_run_at_a_version_is_the_eval_of_that_checkpoints_weights
     assert values["num_problems"] == 4 and values["seconds"] > 0
     assert {"accuracy", "pass@1", "pass@2", "pass@3", "avg@3", "maj@3"} <= values.keys()
     assert all(f"{k}_stderr" in values for k in ("accuracy", "pass@3", "maj@3"))
-    printed = capsys.readouterr().out
+    printed = done.stdout
     assert "at version 2" in printed and "arithmetic: 4 problems, 3 samples at temperature 1" in printed
     assert "pass@3" in printed
     # the same weights evaluated as a model folder: the same greedy answers
-    assert main(["eval", report["model"], "--task", task, "--engine", "transformers", "--json",
-                 str(tmp_path / "model.json")]) == 0
+    assert molt("eval", report["model"], "--task", task, "--engine", "transformers", "--json",
+                tmp_path / "model.json").exit_code == 0
     alone = json.loads((tmp_path / "model.json").read_text())
     assert alone["policy_version"] is None and alone["tasks"]["arithmetic"]["accuracy"] == values["accuracy"]
-    assert main(["eval", str(full_rl_run), "--version", "99", "--task", task]) == 2
-    assert "no complete checkpoint at step 99; got checkpoints at steps [0, 1, 2, 3, 4]" in capsys.readouterr().err
-    assert main(["eval", str(full_rl_run), "--samples", "4", "--temperature", "0"]) == 2
-    assert "--temperature: takes more than 0; got 0.0" in capsys.readouterr().err
+    done = molt("eval", full_rl_run, "--version", "99", "--task", task)
+    assert done.exit_code == 2
+    assert "no complete checkpoint at step 99; got checkpoints at steps [0, 1, 2, 3, 4]" in done.stderr
+    done = molt("eval", full_rl_run, "--samples", "4", "--temperature", "0")
+    assert done.exit_code == 2 and "--temperature: takes more than 0; got 0.0" in done.stderr
 
 
-def test_molt_eval_reads_an_agents_tool_calls_in_the_pipelines_format(tiny_chat_model, tmp_path, capsys):
+def test_molt_eval_reads_an_agents_tool_calls_in_the_pipelines_format(tiny_chat_model, tmp_path):
     from pathlib import Path
 
     agent = tmp_path / "agent.yaml"  # the shipped agent's evaluation, in another tool-call format
     agent.write_text(f"base: {Path('pipelines/agent_tools.yaml').resolve()}\npolicy: {{tool_parser: mistral}}\n")
-    assert main(["eval", str(tiny_chat_model), "--task", str(agent), "--engine", "transformers"]) == 2
-    assert "policy.tool_parser: no tool parser 'mistral'" in capsys.readouterr().err
+    done = molt("eval", tiny_chat_model, "--task", agent, "--engine", "transformers")
+    assert done.exit_code == 2 and "policy.tool_parser: no tool parser 'mistral'" in done.stderr
 
 
 def test_a_run_evaluates_several_tasks_each_at_its_interval_and_a_resume_repeats_none(tiny_chat_model, tmp_path,

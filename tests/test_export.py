@@ -6,7 +6,9 @@ import os
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt.commands.cli import main
+from click.testing import CliRunner
+
+from molt.commands import main
 from molt.runtime.recording import read_batches
 
 
@@ -23,10 +25,14 @@ def logprob_gaps(model_dir, rows, version):
     return gaps
 
 
-def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(full_rl_run, tiny_chat_model, tmp_path,
-                                                                             capsys):
-    assert main(["export", str(full_rl_run), str(tmp_path / "v2"), "--version", "2"]) == 0
-    assert "policy version 2" in capsys.readouterr().out
+def molt(*args):
+    """``molt ARGS`` in this process: the result's exit_code, stdout and stderr."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(full_rl_run, tiny_chat_model, tmp_path):
+    done = molt("export", full_rl_run, tmp_path / "v2", "--version", "2")
+    assert done.exit_code == 0 and "policy version 2" in done.stdout, done.output
     files = {f.name for f in (tmp_path / "v2").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "molt_export.json"} <= files
     assert not {"optimizer.pt", "rng.rank0.pt", "molt-model.json"} & files, "the training state stays behind"
@@ -38,17 +44,17 @@ def test_an_exported_version_is_the_policy_that_sampled_that_versions_tokens(ful
     rows = [r for b in read_batches(full_rl_run / "record" / "rollout.out--reward.in") for r in b.to_pylist()]
     gaps = logprob_gaps(tmp_path / "v2", rows, 2)
     assert len(gaps) >= 8 and max(gaps) < 1e-4, "the engine sampled version 2's tokens from these weights"
-    assert main(["export", str(full_rl_run), str(tmp_path / "newest")]) == 0
+    assert molt("export", full_rl_run, tmp_path / "newest").exit_code == 0
     assert json.loads((tmp_path / "newest" / "molt_export.json").read_text())["policy_version"] == 4
     assert max(logprob_gaps(tmp_path / "newest", rows, 2)) > 1e-3, "another version's weights do not match"
 
 
-def test_export_refuses_what_it_cannot_write_naming_it(full_rl_run, tmp_path, capsys):
-    assert main(["export", str(full_rl_run), str(tmp_path / "x"), "--version", "99"]) == 2
-    assert "no complete checkpoint at step 99" in capsys.readouterr().err
-    assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 2
-    assert "not a run directory" in capsys.readouterr().err
+def test_export_refuses_what_it_cannot_write_naming_it(full_rl_run, tmp_path):
+    done = molt("export", full_rl_run, tmp_path / "x", "--version", "99")
+    assert done.exit_code == 2 and "no complete checkpoint at step 99" in done.stderr
+    done = molt("export", tmp_path, tmp_path / "x")
+    assert done.exit_code == 2 and "not a run directory" in done.stderr
     (tmp_path / "x").mkdir()
-    assert main(["export", str(full_rl_run), str(tmp_path / "x")]) == 2
-    assert "exists" in capsys.readouterr().err
+    done = molt("export", full_rl_run, tmp_path / "x")
+    assert done.exit_code == 2 and "exists" in done.stderr
     assert not list(tmp_path.glob(".x.partial-*")), "nothing half-written is left"

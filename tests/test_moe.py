@@ -13,7 +13,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from molt.commands.cli import main
+from click.testing import CliRunner
+
+from molt.commands import main
 from molt.engines.base import SamplingParams
 from tests.test_engines import chat_ids as chat
 
@@ -24,7 +26,9 @@ PROMPTS = ("What is 23 + 41? Answer with just the number.", "Name three colours.
 def upcycled(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model upcycled to 4 experts, top-2, through the CLI."""
     out = tmp_path_factory.mktemp("moe") / "smollm2-moe-e4k2"
-    assert main(["models", "upcycle", "smollm2-135m-instruct", str(out), "--experts", "4", "--top-k", "2"]) == 0
+    done = CliRunner().invoke(main, ["models", "upcycle", "smollm2-135m-instruct", str(out), "--experts", "4",
+                                     "--top-k", "2"])
+    assert done.exit_code == 0, done.output
     return out
 
 

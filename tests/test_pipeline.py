@@ -218,7 +218,7 @@ def test_molt_graph_resolved_prints_the_pipeline_as_it_loads(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "graph", "pipelines/moe.yaml", "--resolved"],
+    out = subprocess.run([sys.executable, "-m", "molt", "graph", "pipelines/moe.yaml", "--resolved"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     resolved = yaml.safe_load(out.stdout)

@@ -1,8 +1,10 @@
 """`molt plot`: the figures a run's metrics allow, as PNG files."""
 
 import json
-import subprocess
-import sys
+
+from click.testing import CliRunner
+
+from molt.commands import main
 
 
 def write_metrics(run_dir, entries):
@@ -23,9 +25,8 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
                 for v in (0, 2, 4)]
     entries.append(("rollout", None, {"rollout/refit_seconds": 0.9}))
     write_metrics(tmp_path / "run", entries)
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    out = CliRunner().invoke(main, ["plot", str(tmp_path / "run")])
+    assert out.exit_code == 0, out.output
     names = sorted(p.name for p in (tmp_path / "run" / "plots").iterdir())
     assert names == ["collapse.png", "eval.png", "expert_load.png", "logprob_diff.png", "reward.png", "staleness.png",
                      "time.png"]
@@ -34,9 +35,7 @@ def test_plot_writes_one_png_per_figure_the_metrics_allow(tmp_path):
 
 def test_plot_skips_figures_without_metrics_and_refuses_a_non_run(tmp_path):
     write_metrics(tmp_path / "run", [("train", 0, {"train/reward/mean": 0.5})])
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("reward.png")
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "plot", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "no such file; hint: molt plot takes a run directory" in out.stderr
+    out = CliRunner().invoke(main, ["plot", str(tmp_path / "run")])
+    assert out.exit_code == 0 and out.stdout.strip().endswith("reward.png")
+    out = CliRunner().invoke(main, ["plot", str(tmp_path)])
+    assert out.exit_code == 2 and "no such file; hint: molt plot takes a run directory" in out.stderr

@@ -31,7 +31,7 @@ edges:
 
 def molt(tmp_path, *args):
     env = {**os.environ, "MOLT_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "molt", *args], capture_output=True, text=True, timeout=300,
                           env=env, cwd=os.getcwd())
 
 

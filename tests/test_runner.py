@@ -17,7 +17,7 @@ import pytest
 from molt.runtime.recording import read_batches
 from tests.conftest import SINK, SOURCE, run_spec
 
-MOLT = [sys.executable, "-m", "molt.commands.cli"]
+MOLT = [sys.executable, "-m", "molt"]
 
 
 def chain(*stages, record_last=False, **source_cfg):

@@ -50,21 +50,26 @@ def test_molt_run_seed_is_the_pipelines_top_level_seed():
     assert Pipeline.from_yaml("pipelines/smoke.yaml", ["seed=3"]).spec.seed == 3
 
 
-def test_a_resume_under_another_seed_is_refused_before_anything_starts(tmp_path, capsys):
-    from molt.commands.cli import main
+def test_a_resume_under_another_seed_is_refused_before_anything_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from molt.commands import main
 
     (tmp_path / "pipeline.yaml").write_text("name: smoke\nseed: 3\n")
-    assert main(["run", "pipelines/smoke.yaml", "--resume", str(tmp_path)]) == 2
-    assert "the run has seed 3; got 0; hint: --seed 3" in capsys.readouterr().err
+    done = CliRunner().invoke(main, ["run", "pipelines/smoke.yaml", "--resume", str(tmp_path)])
+    assert done.exit_code == 2 and "the run has seed 3; got 0; hint: --seed 3" in done.stderr
 
 
-def test_a_resume_of_another_pipeline_is_refused_naming_the_keys_that_differ(tmp_path, capsys):
+def test_a_resume_of_another_pipeline_is_refused_naming_the_keys_that_differ(tmp_path):
     import yaml
+    from click.testing import CliRunner
 
-    from molt.commands.cli import main
+    from molt.commands import main
 
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(Pipeline.from_yaml("pipelines/smoke.yaml").to_dict()))
-    assert main(["run", "pipelines/smoke.yaml", "--set", "policy.temperature=0.5", "--resume", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
+    done = CliRunner().invoke(main, ["run", "pipelines/smoke.yaml", "--set", "policy.temperature=0.5", "--resume",
+                                     str(tmp_path)])
+    assert done.exit_code == 2
+    err = done.stderr
     assert "the pipeline differs from the run's" in err and "policy.temperature" in err, err
     assert f"molt run {tmp_path / 'pipeline.yaml'} --resume {tmp_path}" in err

@@ -6,15 +6,23 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
+from molt.commands import main
 from molt.commands.sweep import Sweep, Threshold, arm_values, summarize_runs
 
 RESULTS = "results={score_mean: sink/score_mean, reward_mean: advantage/reward/mean}"
 
 
 def molt(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "molt.commands.cli", *args], capture_output=True, text=True, timeout=300,
+    """``molt ARGS`` as a process of its own (a sweep starts runs, and is stopped by signals)."""
+    return subprocess.run([sys.executable, "-m", "molt", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd)
+
+
+def invoke(*args):
+    """``molt ARGS`` in this process, for commands that only read and print."""
+    return CliRunner().invoke(main, args)
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +61,16 @@ def test_a_sweep_started_again_keeps_finished_seeds_runs_new_ones_and_refuses_ot
 
 def test_compare_takes_a_sweep_folder_and_a_list_of_run_folders(smoke_sweep):
     runs = ",".join(str(smoke_sweep / f"seed_{k}") for k in (0, 1))
-    done = molt("compare", str(smoke_sweep), runs, "--metric", "score_mean", "--margin", "0.5")
-    assert done.returncode == 0, done.stderr
+    done = invoke("compare", str(smoke_sweep), runs, "--metric", "score_mean", "--margin", "0.5")
+    assert done.exit_code == 0, done.output
     assert "verdict:" in done.stdout and "A: n=3" in done.stdout and "B: n=2" in done.stdout
-    missing = molt("compare", str(smoke_sweep), runs, "--metric", "accuracy")
-    assert missing.returncode == 2 and "has no 'accuracy'" in missing.stderr
+    missing = invoke("compare", str(smoke_sweep), runs, "--metric", "accuracy")
+    assert missing.exit_code == 2 and "has no 'accuracy'" in missing.stderr
 
 
 def test_plot_of_a_sweep_draws_its_threshold_times(smoke_sweep):
-    done = molt("plot", str(smoke_sweep))
-    assert done.returncode == 0, done.stderr
+    done = invoke("plot", str(smoke_sweep))
+    assert done.exit_code == 0, done.output
     assert done.stdout.split() == [str(smoke_sweep / "plots" / "sweep_threshold.png")]
 
 
@@ -103,9 +111,9 @@ def test_compare_reads_another_systems_runs_and_says_different_for_means_three_s
                                          for i, v in enumerate([0.70, 0.72, 0.74, 0.71, 0.73])]}))
     theirs.write_text(json.dumps({"runs": [{"results": {"acc": v + 0.047}} for v in [0.70, 0.72, 0.74, 0.71, 0.73]]}))
     assert arm_values(str(ours), "acc") == {"s0": 0.70, "s1": 0.72, "s2": 0.74, "s3": 0.71, "s4": 0.73}
-    done = molt("compare", str(ours), str(theirs), "--metric", "acc", "--margin", "0.01",
-                "--json", str(tmp_path / "c.json"))
-    assert done.returncode == 0, done.stderr
+    done = invoke("compare", str(ours), str(theirs), "--metric", "acc", "--margin", "0.01",
+                  "--json", str(tmp_path / "c.json"))
+    assert done.exit_code == 0, done.output
     assert "verdict: different" in done.stdout  # 0.047 is three standard deviations (0.0158)
     assert json.loads((tmp_path / "c.json").read_text())["verdict"] == "different"
     for text in ("[1, 2]", '{"runs": {"s0": {"results": {}}}}', '{"runs": [0.81, 0.80]}'):
@@ -208,7 +216,7 @@ def test_ctrl_c_stops_the_running_seed_cleanly_and_a_sweep_again_would_resume_it
     import time
 
     out = tmp_path / "sweep"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.commands.cli", "sweep", "pipelines/smoke.yaml", "--seeds", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "molt", "sweep", "pipelines/smoke.yaml", "--seeds", "2",
                              "--out", str(out), "--set", "stages.source.config.num_groups=10000000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -207,8 +207,10 @@ def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
     assert task.num_records == 5 and task.record(0)["answer"] == "18"
 
 
-def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anything_starts(tmp_path, capsys):
-    from molt.commands.cli import main
+def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anything_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from molt.commands import main
 
     rows = [{"prompt_id": "q1", "prompt": "1+1?", "answer": "2"}, {"prompt_id": "q2", "prompt": "2+2?", "answer": "4"},
             {"prompt_id": "q1", "prompt": "3+3?", "answer": "6"}]
@@ -224,13 +226,16 @@ def test_a_dataset_that_is_empty_or_repeats_a_prompt_id_is_refused_before_anythi
     task = f"stages.source.config.task={{type: jsonl, path: {path}}}"
     for argv in (["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set", task],
                  ["sweep", "pipelines/quickstart.yaml", "--seeds", "1", "--out", str(tmp_path / "sw"), "--set", task]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err
+        done = CliRunner().invoke(main, argv)
+        assert done.exit_code == 2
+        err = done.stderr
         assert "stages.source.config.task: " in err and "rows 0 and 2 have the same prompt_id 'q1'" in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "sw" / "seed_0").exists()
     evaluation = f"stages.evaluate.config.task={{type: jsonl, path: {path}}}"  # the held-out set too
-    assert main(["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set", evaluation]) == 2
-    assert "stages.evaluate.config.task: " in capsys.readouterr().err and not (tmp_path / "run").exists()
+    done = CliRunner().invoke(main, ["run", "pipelines/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set",
+                                     evaluation])
+    assert done.exit_code == 2
+    assert "stages.evaluate.config.task: " in done.stderr and not (tmp_path / "run").exists()
     spec = yaml.safe_load(Path("pipelines/quickstart.yaml").read_text())  # any stage's tasks: a rollout's evaluate:
     spec["stages"]["rollout"]["config"]["evaluate"] = {"tasks": {"qa": {"task": {"type": "jsonl", "path": str(path)}}}}
     spec["edges"] = [{**e, "from": "rollout.out"} if e["from"] == "rollout" else e for e in spec["edges"]] + [

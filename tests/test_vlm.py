@@ -398,7 +398,7 @@ def test_sft_then_rl_on_the_tiny_vlm_record_images_and_replay_them_bit_exactly(t
     for r in rows:  # the picture in the row is the task's picture
         task = json.loads(r["metadata"])
         assert r["images"][0] == ChatTemplate.for_model(export).images(task["messages"])[0]
-    out = subprocess.run([sys.executable, "-m", "molt.commands.cli", "replay", str(recorded), "pipelines/vlm_moe.yaml",
+    out = subprocess.run([sys.executable, "-m", "molt", "replay", str(recorded), "pipelines/vlm_moe.yaml",
                           "--run-dir", str(tmp_path / "replay"), "--set", f"policy.model={export}",
                           "--set", f"stages.evaluate.config.engine={json.dumps(hf)}",
                           "--set", "stages.evaluate.config.task.num_problems=8",

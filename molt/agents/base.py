@@ -1,16 +1,8 @@
-"""The agent contract: an ``Env`` the framework drives turn by turn.
+"""The agent contract: an ``Env`` the framework drives turn by turn (molt.agents.episode).
 
-The framework owns the generation loop (:func:`molt.agents.episode.run_episode`):
-it renders the task's messages with the model's own chat template, asks the engine
-for the assistant's turn (token ids in, token ids out), hands the decoded text to
-``env.step``, and appends the environment's reply as chat-template tokens with
-``loss_mask`` false. An env never sees or produces token ids.
-
-A minimal env (one turn, graded)::
-
-    class Echo(Env):
-        def reset(self, task):      return task["messages"]
-        def step(self, action):     return Result(reward=float(task_answer in action), terminated=True)
+The framework renders the messages with the model's chat template, generates the assistant's
+turn, hands its decoded text to ``env.step`` and appends the reply as template tokens with
+``loss_mask`` false. An env never sees token ids.
 """
 
 from __future__ import annotations
@@ -23,22 +15,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from molt.agents.tools import Tool
 
-# {"role": "user" | "assistant" | "system" | "tool", "content": str | list of text/image parts (molt.models.images)}
+# {"role": "system" | "user" | "assistant" | "tool", "content": text or parts (molt.models.images)}
 Message = dict[str, Any]
 
 
 @dataclasses.dataclass
 class Result:
-    """What ``Env.step`` returns after the policy's turn.
-
-    reward: the score of the episode so far; the last step's reward is the
-        episode's ``score`` (one reward per rollout, shared by its segments);
-        None = the env does not grade (a reward stage does).
-    observation: the environment's reply (a user or tool message, or its text as
-        a user message); ignored when the episode ends.
-    terminated: the task ended (solved or failed). truncated: a limit ended it.
-    info: anything JSON-serialisable; stored in the row's ``metadata``.
-    """
+    """What ``Env.step`` returns: ``reward`` (the last step's is the rollout's; None: a reward
+    stage grades), ``observation`` (the reply: a message, or a user message's text), whether the
+    task ended (``terminated``) or a limit ended it (``truncated``), and JSON ``info``."""
 
     reward: float | None = None
     observation: Message | str | None = None
@@ -52,27 +37,24 @@ class AgentError(RuntimeError):
 
 
 class Env(abc.ABC):
-    """One episode of a task. A new instance is made for every rollout.
+    """One episode of a task; a new instance per rollout.
 
-    ``tools``: the tools the policy may call (molt.agents.tools.Tool; a class attribute or set
-    in ``__init__``); the framework renders them into the prompt, runs the calls and returns their
-    results, and ``step`` sees only the turns that call none (molt.agents.episode)."""
+    ``tools``: the tools the policy may call; the framework runs the calls, and ``step`` sees
+    only the turns that call none."""
 
     tools: Sequence[Tool] = ()
 
     @abc.abstractmethod
     def reset(self, task: dict[str, Any]) -> list[Message]:
-        """Start an episode of ``task`` (the dataset row's metadata); return the
-        opening messages (e.g. system + user)."""
+        """Start an episode of ``task`` (the row's metadata); return the opening messages."""
 
     @abc.abstractmethod
     def step(self, action: str) -> Result:
-        """React to the policy's turn ``action`` (decoded text of its tokens)."""
+        """React to the policy's turn ``action`` (its decoded text)."""
 
 
 class SingleTurn(Env):
-    """The default env: the task's ``messages`` as the prompt, one policy turn, no
-    reward of its own (a reward stage grades the completion afterwards)."""
+    """The default env: the task's ``messages`` (or ``prompt``), one turn, no reward of its own."""
 
     def reset(self, task: dict[str, Any]) -> list[Message]:
         messages = task.get("messages")
@@ -86,16 +68,16 @@ class SingleTurn(Env):
         return Result(terminated=True)
 
 
-def episode_classes(env: str | None, agent: str | None, where: str) -> tuple[type[Env], type | None]:
-    """A rollout's ``env`` class (default `SingleTurn`) and ``agent`` class (or None), from their import paths,
-    so that a typo fails at load.
+def episode_classes(env: str | None, agent: str | None,
+                    where: str) -> tuple[type[Env], type | None]:
+    """A rollout's ``env`` class (default `SingleTurn`) and ``agent`` class (or None).
 
     Raises:
-        ValueError: both are set, or one cannot be imported (molt.config.import_class), naming ``where``.
+        ValueError: both are set, or one cannot be imported, naming ``where``.
     """
     from molt.config import import_class
 
     if env and agent:
         raise ValueError(f"{where}: set env or agent, not both; got both")
-    return (import_class(env, f"{where}.env") if env else SingleTurn), (import_class(agent, f"{where}.agent")
-                                                                         if agent else None)
+    env_cls = import_class(env, f"{where}.env") if env else SingleTurn
+    return env_cls, import_class(agent, f"{where}.agent") if agent else None

@@ -1,20 +1,9 @@
 """Chat-template token ids without ever re-encoding what the policy generated.
 
-The prompt is rendered once with the model's own template. After the policy's turn
-(whose exact engine tokens are kept), only the *delta* is tokenized: the text the
-template puts after an assistant message (e.g. ``"\\n"`` after ``<|im_end|>``)
-followed by the next user/tool message and the generation prompt. The delta is
-found by rendering a probe conversation with and without the new message and
-cutting the common prefix, so any template that renders earlier turns unchanged
-works; one that rewrites them (e.g. drops earlier reasoning) raises, and the
-caller starts a new segment.
-
-Images (a vision-language model, ``vision`` given): image parts of messages render as
-the processor's placeholder and each placeholder token becomes that image's image tokens
-(molt.models.images); ``images(messages)`` returns their encoded bytes in the same order.
-
-Tools (``tools``: OpenAI tool definitions): rendered by the template where it renders tools,
-else by the documented fallback of the tool parser's format (molt.agents.tools).
+After a policy turn only the *delta* is tokenized: what the template puts after an assistant
+message, the next messages and the generation prompt, found as the suffix a probe
+conversation gains; a template that rewrites earlier turns raises. Image parts become the
+processor's placeholder, expanded into each image's tokens (molt.models.images).
 """
 
 from __future__ import annotations
@@ -23,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from molt.agents.base import Message
-from molt.agents.tools import HermesParser, ToolParser, fallback_messages, template_messages, tool_parser
+from molt.agents.tools import (HermesParser, ToolParser, fallback_messages, template_messages,
+                               tool_parser)
 from molt.models.images import VisionProcessor, flatten_messages
 
 _PROBE = "\u2063molt-probe\u2063"
@@ -40,66 +30,69 @@ class ChatTemplate:
             raise ValueError("the tokenizer has no chat template; hint: use an instruct model "
                              "whose tokenizer_config.json or chat_template.jinja defines one")
         self.tok, self.vision = tokenizer, vision
-        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        eos = tokenizer.eos_token_id
+        self.eos_text = tokenizer.decode([eos]) if eos is not None else ""
         self.tool_parser = tool_parser or HermesParser()
-        try:  # whether the template renders tools (else: the tool parser's fallback, molt.agents.tools)
+        try:
             probe = [{"role": "user", "content": "x"}]
-            self.renders_tools = "molt_probe" in tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False)
+            rendered = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False)
+            self.renders_tools = "molt_probe" in rendered
         except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             self.renders_tools = False
 
     @classmethod
-    def for_model(cls, model_dir: Any, tool_format: str = "hermes", where: str = "tool_parser") -> ChatTemplate:
-        """The template of a model folder, with its image processor if it has one and the tool parser of
-        ``tool_format`` (molt.agents.tools.tool_parser, which raises naming ``where``)."""
+    def for_model(cls, model_dir: Any, tool_format: str = "hermes",
+                  where: str = "tool_parser") -> ChatTemplate:
+        """A model folder's template, image processor (if any) and ``tool_format``'s parser."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(tokenizer, VisionProcessor.of(model_dir, tokenizer), tool_parser(tool_format, where))
+        vision = VisionProcessor.of(model_dir, tokenizer)
+        return cls(tokenizer, vision, tool_parser(tool_format, where))
 
-    def render(self, messages: list[Message], add_generation_prompt: bool, tools: Sequence[dict[str, Any]] = ()) -> str:
-        """The template's text of ``messages`` (with ``tools``: OpenAI tool definitions, module docstring)."""
+    def render(self, messages: list[Message], add_generation_prompt: bool,
+               tools: Sequence[dict[str, Any]] = ()) -> str:
         native = self.renders_tools or not tools
-        flat, _ = flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")
-        flat = template_messages(flat) if native else fallback_messages(flat, tools, self.tool_parser)
-        return str(self.tok.apply_chat_template(flat, tools=list(tools) if tools and native else None, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt))
+        flat, _ = flatten_messages(messages, self._placeholder, "chat template")
+        flat = (template_messages(flat) if native
+                else fallback_messages(flat, tools, self.tool_parser))
+        return str(self.tok.apply_chat_template(
+            flat, tools=list(tools) if tools and native else None, tokenize=False,
+            add_generation_prompt=add_generation_prompt))
+
+    @property
+    def _placeholder(self) -> str | None:
+        return self.vision.placeholder if self.vision else None
 
     @property
     def image_token_id(self) -> int | None:
-        """Id of the image tokens (None for a text-only model)."""
         return self.vision.image_token_id if self.vision is not None else None
 
     def images(self, messages: list[Message]) -> list[bytes]:
-        """Encoded bytes of the messages' image parts, in order (molt.models.images)."""
-        return flatten_messages(messages, self.vision.placeholder if self.vision else None, "chat template")[1]
+        return flatten_messages(messages, self._placeholder, "chat template")[1]
 
     def encode(self, text: str, images: list[bytes] | None = None) -> list[int]:
-        """Token ids of template text (special tokens parsed, no BOS added), each image placeholder
-        expanded into the tokens of the next of ``images`` (molt.models.images)."""
+        """Token ids of template text (special tokens parsed, no BOS), image placeholders
+        expanded into ``images``' tokens."""
         ids = list(self.tok.encode(text, add_special_tokens=False))
         return self.vision.expand(ids, images or []) if self.vision is not None else ids
 
-    def prompt_ids(self, messages: list[Message], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
-        """[P] token ids of the opening messages (and ``tools``) plus the generation prompt."""
+    def prompt_ids(self, messages: list[Message],
+                   tools: Sequence[dict[str, Any]] = ()) -> list[int]:
+        """[P] token ids of the opening messages and ``tools`` plus the generation prompt."""
         return self.encode(self.render(messages, True, tools), self.images(messages))
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of generated tokens (for the env and graders only, never for training)."""
+        """Text of generated tokens (for envs and graders, never for training)."""
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
 
     def turn_delta_ids(self, messages: list[Message], new: list[Message], ended_with_eos: bool,
                        tools: Sequence[dict[str, Any]] = ()) -> list[int]:
-        """Token ids that follow the assistant's last generated token to open the next turn.
-
-        ``messages`` is the conversation so far ending with the assistant turn,
-        ``new`` the environment's messages (or tool results), ``tools`` the conversation's. If
-        the assistant turn did not end with EOS (cut by length), the template's end-of-turn
-        text is included.
+        """Token ids after the assistant turn ending ``messages`` that render ``new`` (with the
+        end-of-turn text unless the turn ended with EOS).
 
         Raises:
-            ValueError: the template renders earlier turns differently once ``new``
-                is added (the delta is not a pure suffix).
+            ValueError: the template renders earlier turns differently once ``new`` is added.
         """
         probe = [*messages[:-1], {"role": "assistant", "content": _PROBE}]
         before = self.render(probe, False, tools)
@@ -107,20 +100,18 @@ class ChatTemplate:
         if not after.startswith(before):
             raise ValueError("the chat template rewrites earlier turns when a message is added; "
                              "hint: this turn must start a new segment")
-        closing = before[before.rindex(_PROBE) + len(_PROBE):]  # what follows assistant content
+        closing = before[before.rindex(_PROBE) + len(_PROBE):]
         if ended_with_eos and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text):]  # the engine generated the EOS itself
         return self.encode(closing + after[len(before):], self.images(new))
 
     def demonstration_ids(self, messages: list[Message],
                           tools: Sequence[dict[str, Any]] = ()) -> tuple[list[int], list[bool]]:
-        """[T] token ids and loss mask of a demonstrated conversation, laid out as a rollout lays out the
-        policy's turns (molt.agents.episode): the opening messages and generation prompt, then each
-        assistant turn as the policy would generate it (its text, its calls in the tool parser's format,
-        EOS; mask true), each followed by the template delta of the messages up to the next (mask false).
+        """[T] token ids and loss mask of a demonstrated conversation, laid out as a rollout's:
+        each assistant turn as the policy would generate it (mask true), then the delta.
 
         Raises:
-            ValueError: no assistant turn, or the template rewrites earlier turns (`turn_delta_ids`).
+            ValueError: no assistant turn, or the template rewrites earlier turns.
         """
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not turns:
@@ -132,6 +123,7 @@ class ChatTemplate:
             calls = self.tool_parser.render_calls(m["tool_calls"]) if m.get("tool_calls") else ""
             text = (m.get("content") or "") + calls
             policy = self.encode(text) + [self.tok.eos_token_id]
-            context = self.turn_delta_ids(messages[:i + 1], messages[i + 1:end], True, tools) if end else []
+            context = (self.turn_delta_ids(messages[:i + 1], messages[i + 1:end], True, tools)
+                       if end else [])
             ids, mask = ids + policy + context, mask + [True] * len(policy) + [False] * len(context)
         return ids, mask

@@ -1,27 +1,18 @@
 """Scoring a policy on held-out problems: greedy accuracy, and pass@k, avg@k, maj@k from k samples.
 
-Used by the evaluation stage (stages.evaluate), a rollout's ``evaluate:`` (on the rollout's engine; both
-through `Evaluator`) and ``molt eval`` (molt.commands.eval). One evaluation of a task: every problem, one
-greedy completion (temperature 0) and, with ``samples`` n > 1, n completions at
-``temperature``, each graded against the problem's answer (molt.tasks.graders). Per problem, with c of its
-n samples right (score 1):
+An evaluation grades one greedy completion of every problem and, with ``samples`` n > 1, n
+completions at ``temperature``. Per problem, with c of its n samples right:
 
     accuracy  the greedy completion's score
-    pass@k    1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without
-              replacement, hold a right one (the unbiased estimator of Chen et al. 2021,
-              arXiv 2107.03374, eq. 1), for k = 1, 2, 4, ... below n, and n
+    pass@k    1 - C(n - c, k) / C(n, k), k = 1, 2, 4, ... below n, and n (Chen et al. 2021,
+              arXiv 2107.03374, eq. 1)
     avg@n     the mean score of the n samples
-    maj@n     the score of the answer most samples extracted (self-consistency, Wang et al. 2022,
-              arXiv 2203.11171); a tie goes to the answer seen first; a sample without one does not vote
+    maj@n     the score of the answer most samples extracted (Wang et al. 2022, arXiv
+              2203.11171); a tie goes to the first seen
 
-Each is reported as its mean over the N problems with a standard error ``KEY_stderr`` =
-sqrt(v / N), v the population variance of the per-problem values (for 0/1 values the binomial
-sqrt(p (1 - p) / N)). Example: n = 5, c = 2 -> pass@1 0.4, pass@2 0.7, pass@4 1.0, pass@5 1.0.
-
-With ``agent`` (a ChatAgent's import path) each completion is an episode of that agent (its tool calls
-and their results included, at most ``max_turns`` requests) on the engine's OpenAI endpoint, and the text of
-its last reply is graded (not its calls); the agent's own reward is not used, and an episode the agent
-fails (it raised) is graded wrong.
+Each is the mean over N problems, with ``KEY_stderr`` = sqrt(population variance / N).
+Example: n = 5, c = 2 -> pass@1 0.4, pass@2 0.7, pass@4 1.0, pass@5 1.0. With ``agent`` each
+completion is that ChatAgent's episode, its last reply graded (wrong if the agent raised).
 """
 
 from __future__ import annotations
@@ -47,14 +38,15 @@ from molt.schema import batch_from_rows, make_schema
 from molt.runtime.stage import StageConfig
 from molt.tasks import TaskConfig
 
-EVAL_SCHEMA = make_schema([
-    pa.field("policy_version", pa.int32(), metadata={b"doc": b"optimizer steps in the evaluated weights"}),
-    pa.field("accuracy", pa.float64(), metadata={b"doc": b"fraction of problems answered right, greedy"}),
-    pa.field("accuracy_stderr", pa.float64(), metadata={b"doc": b"binomial standard error sqrt(p(1-p)/n)"}),
-    pa.field("num_problems", pa.int64(), metadata={b"doc": b"problems evaluated"}),
-    pa.field("seconds", pa.float64(), metadata={b"doc": b"wall time of the evaluation"}),
-    pa.field("task", pa.string(), metadata={b"doc": b"the task's name in tasks; empty for the one task"}),
-], "eval")
+EVAL_SCHEMA = make_schema([pa.field(name, type_, metadata={b"doc": doc.encode()})
+                           for name, type_, doc in (
+    ("policy_version", pa.int32(), "optimizer steps in the evaluated weights"),
+    ("accuracy", pa.float64(), "fraction of problems answered right, greedy"),
+    ("accuracy_stderr", pa.float64(), "binomial standard error sqrt(p(1-p)/n)"),
+    ("num_problems", pa.int64(), "problems evaluated"),
+    ("seconds", pa.float64(), "wall time of the evaluation"),
+    ("task", pa.string(), "the task's name in tasks; empty for the one task"),
+)], "eval")
 
 
 def _importable_agent(agent: str | None) -> str | None:
@@ -75,7 +67,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_score(grades: Sequence[Grade]) -> float:
-    """The score of the answer extracted most often among ``grades`` (first seen on a tie); 0 if none has one."""
+    """The score of the answer extracted most often (first seen on a tie); 0 if none has one."""
     votes = Counter(g.extracted for g in grades if g.extracted is not None)
     if not votes:
         return 0.0
@@ -84,12 +76,12 @@ def majority_score(grades: Sequence[Grade]) -> float:
 
 
 def sample_ks(n: int) -> list[int]:
-    """The k of pass@k reported for ``n`` samples: powers of two below n, and n. Example: 8 -> [1, 2, 4, 8]."""
+    """The k of pass@k for ``n`` samples: powers of two below n, and n. 8 -> [1, 2, 4, 8]."""
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
 
 
 def summarise(per_problem: dict[str, list[float]]) -> dict[str, float]:
-    """Each key's mean over problems and ``KEY_stderr`` (sqrt of the population variance over N)."""
+    """Each key's mean over problems and ``KEY_stderr``."""
     out = {}
     for key, values in per_problem.items():
         out[key] = statistics.fmean(values)
@@ -98,7 +90,7 @@ def summarise(per_problem: dict[str, list[float]]) -> dict[str, float]:
 
 
 def sampled_metrics(grades: Sequence[Sequence[Grade]]) -> dict[str, list[float]]:
-    """Per-problem pass@k, avg@n and maj@n of each problem's ``n`` graded samples (n > 1, the same for all)."""
+    """Per-problem pass@k, avg@n and maj@n of [problem][sample] grades (n > 1 for all)."""
     n = len(grades[0])
     rights = [sum(g.score >= 1.0 for g in problem) for problem in grades]
     per = {f"pass@{k}": [pass_at_k(n, c, k) for c in rights] for k in sample_ks(n)}
@@ -107,16 +99,14 @@ def sampled_metrics(grades: Sequence[Sequence[Grade]]) -> dict[str, list[float]]
     return per
 
 
-async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any,
-                        params: SamplingParams, samples: int, max_model_len: int, tag: str,
-                        version: int, agent: str | None = None, max_turns: int = 1) -> list[list[Grade]]:
-    """``samples`` single-turn completions (or ``agent`` episodes, module docstring) of every problem, all in
-    flight at once, each graded (``grader.grade(text, answer)``); request ids ``{tag}-{problem}.{sample}``.
-    Returns [problem][sample].
+async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]],
+                        grader: Any, params: SamplingParams, samples: int, max_model_len: int,
+                        tag: str, version: int, agent: str | None = None,
+                        max_turns: int = 1) -> list[list[Grade]]:
+    """[problem][sample] grades of ``samples`` completions of every problem, all at once.
 
     Raises:
-        RuntimeError: a completion holds tokens of a policy version other than ``version`` (the weights
-            changed during the evaluation).
+        RuntimeError: a completion holds tokens of a version other than ``version``.
     """
     agent_cls = import_class(agent, "agent") if agent else None
     server = ChatServer(engine, chat, params, max_turns, max_model_len) if agent_cls else None
@@ -126,89 +116,88 @@ async def grade_samples(engine: Engine, chat: ChatTemplate, problems: Sequence[d
         try:
             episode = await (server.run_episode(agent_cls(), problem, rid)  # type: ignore[misc]
                              if server and agent_cls else
-                             run_episode(engine, chat, SingleTurn(), problem, params, rid, 1, max_model_len))
-        except AgentError:  # the agent's failure: graded wrong (module docstring)
+                             run_episode(engine, chat, SingleTurn(), problem, params, rid, 1,
+                                         max_model_len))
+        except AgentError:
             return Grade(0.0, None)
-        if other := {v for seg in episode.segments for v, m in zip(seg.policy_version, seg.loss_mask) if m} - {version}:
-            raise RuntimeError(f"evaluation {tag}: a completion holds tokens of version {sorted(other)} in an "
-                               f"evaluation of version {version}; the weights changed during it")
+        trained = {v for seg in episode.segments
+                   for v, m in zip(seg.policy_version, seg.loss_mask) if m}
+        if other := trained - {version}:
+            raise RuntimeError(f"evaluation {tag}: a completion holds tokens of version "
+                               f"{sorted(other)} in an evaluation of version {version}; the "
+                               "weights changed during it")
         grade: Grade = grader.grade(episode.completion_text, str(problem["answer"]))
         return grade
 
     try:
-        flat = await asyncio.gather(*(one(i, p, s) for i, p in enumerate(problems) for s in range(samples)))
+        flat = await asyncio.gather(*(one(i, p, s) for i, p in enumerate(problems)
+                                      for s in range(samples)))
     finally:
         if server is not None:
             await server.stop()
     return [flat[i * samples:(i + 1) * samples] for i in range(len(problems))]
 
 
-async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]], grader: Any, *,
-                   max_new_tokens: int, max_model_len: int, samples: int = 1, temperature: float = 0.0,
-                   tag: str = "eval", version: int | None = None, agent: str | None = None,
-                   max_turns: int = 1) -> dict[str, float]:
-    """Greedy ``accuracy`` of the engine's current weights on ``problems`` and, with ``samples`` > 1,
-    pass@k, avg@n and maj@n at ``temperature``; each with ``KEY_stderr`` (the module docstring). Every
-    token evaluated must be of ``version`` (default: the engine's at the start; `grade_samples`); with
-    ``agent``, of that agent's episodes (module docstring).
+async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[str, Any]],
+                   grader: Any, *, max_new_tokens: int, max_model_len: int, samples: int = 1,
+                   temperature: float = 0.0, tag: str = "eval", version: int | None = None,
+                   agent: str | None = None, max_turns: int = 1) -> dict[str, float]:
+    """The module docstring's metrics of the engine's ``version`` (default: the current one).
 
     Raises:
-        ValueError: no problems, or ``samples`` > 1 at temperature 0 (n copies of the greedy answer).
-        RuntimeError: from `grade_samples`.
+        ValueError: no problems, or ``samples`` > 1 at temperature 0.
+        RuntimeError: the weights changed during the evaluation.
     """
     version = engine.policy_version if version is None else version
     if not problems:
         raise ValueError("an evaluation needs at least one problem")
     if samples > 1 and temperature <= 0:
-        raise ValueError(f"{samples} samples at temperature {temperature} are one greedy answer {samples} times; "
-                         "hint: sample at a temperature > 0, e.g. 0.8")
-    greedy = await grade_samples(engine, chat, problems, grader, SamplingParams(temperature=0.0,
-                                 max_new_tokens=max_new_tokens), 1, max_model_len, f"{tag}-greedy", version, agent,
-                                 max_turns)
+        raise ValueError(f"{samples} samples at temperature {temperature} are one greedy answer "
+                         f"{samples} times; hint: sample at a temperature > 0, e.g. 0.8")
+
+    async def graded(temp: float, n: int, name: str) -> list[list[Grade]]:
+        params = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens)
+        return await grade_samples(engine, chat, problems, grader, params, n, max_model_len, name,
+                                   version, agent, max_turns)
+
+    greedy = await graded(0.0, 1, f"{tag}-greedy")
     values = summarise({"accuracy": [g[0].score for g in greedy]})
     if samples > 1:
-        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-        values |= summarise(sampled_metrics(await grade_samples(engine, chat, problems, grader, params, samples,
-                                                                max_model_len, f"{tag}-t{temperature:g}", version,
-                                                                agent, max_turns)))
+        sampled = await graded(temperature, samples, f"{tag}-t{temperature:g}")
+        values |= summarise(sampled_metrics(sampled))
     return values
 
 
 def load_problems(task: Any, where: str) -> list[dict[str, Any]]:
-    """Every record of ``task`` (a TaskConfig), for an evaluation.
+    """Every record of ``task`` (a TaskConfig).
 
     Raises:
-        ValueError: the task is an endless stream, naming ``where`` (its YAML key or option).
+        ValueError: the task is an endless stream, naming ``where``.
     """
     loaded = task.load()
     if loaded.num_records is None:
-        raise ValueError(f"{where}: evaluation needs a finite task; got an endless stream; hint: set "
-                         "task.num_problems")
+        raise ValueError(f"{where}: evaluation needs a finite task; got an endless stream; "
+                         "hint: set task.num_problems")
     return [loaded.record(i) for i in range(loaded.num_records)]
 
 
 def default_grader(data: Any) -> Any:
-    """A task config's data with the grader its task type needs when none is given: ``{type: shapes}``
-    for the shapes task (count and colour), else the field's default ``{type: math}``."""
+    """A config's data with ``grader: {type: shapes}`` for a shapes task that names no grader."""
     task = data.get("task") if isinstance(data, dict) else None
     kind = task.get("type") if isinstance(task, dict) else getattr(task, "type", None)
-    return {**data, "grader": {"type": "shapes"}} if kind == "shapes" and "grader" not in data else data
+    if kind == "shapes" and "grader" not in data:
+        return {**data, "grader": {"type": "shapes"}}
+    return data
 
 
-class EvalTask(BaseModel):
-    """One evaluation task: ``{task: {type: gsm8k, path: data/gsm8k/test.jsonl}, max_new_tokens: 256}``."""
+class _Grading(BaseModel):
+    """How a task's completions are made and graded."""
 
     model_config = ConfigDict(extra="forbid")
-    task: TaskConfig
     grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
                                  description="{type: math}, {type: exact} or {type: shapes}")
     max_new_tokens: int = Field(24, ge=1, description="per completion")
-    samples: int = Field(1, ge=1, description="k > 1: k samples per problem besides the greedy one (pass@k, avg@k, "
-                         "maj@k)")
-    temperature: float | None = Field(None, gt=0, description="of the samples (molt eval: default the policy's)")
-    every_versions: int | None = Field(None, ge=1, description="in a run: evaluate versions divisible by this "
-                                       "(default: the stage's every_versions)")
-    agent: str | None = Field(None, description="import path of a ChatAgent whose episodes are graded (tool use)")
+    agent: str | None = Field(None, description="import path of a ChatAgent to grade")
     max_turns: int = Field(4, ge=1, description="requests per agent episode")
 
     _agent = field_validator("agent")(_importable_agent)
@@ -216,119 +205,118 @@ class EvalTask(BaseModel):
     _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
 
 
-class EvaluationConfig(StageConfig):
-    """What an evaluation stage evaluates: one ``task`` (metrics STAGE/accuracy, ...) or several ``tasks``
-    by name, each with its own sampling and interval (STAGE/NAME/accuracy, ...)."""
+class EvalTask(_Grading):
+    """One evaluation task: ``{task: {type: gsm8k, path: ...}, max_new_tokens: 256}``."""
 
-    task: TaskConfig | None = Field(None, description="one task of held-out problems, e.g. {type: arithmetic, "
-                                    "split: eval}")
-    tasks: dict[str, EvalTask] = Field(default_factory=dict, description="several by name, each an EvalTask")
+    task: TaskConfig
+    samples: int = Field(1, ge=1, description="k > 1: k samples per problem besides the greedy one")
+    temperature: float | None = Field(None, gt=0, description="of the samples (molt eval: default "
+                                      "the policy's)")
+    every_versions: int | None = Field(None, ge=1, description="in a run: evaluate versions "
+                                       "divisible by this (default: the stage's)")
+
+
+class EvaluationConfig(StageConfig, _Grading):
+    """What an evaluation stage evaluates: one ``task`` (metrics STAGE/accuracy, ...), graded as
+    the `_Grading` fields say, or several ``tasks`` by name (STAGE/NAME/accuracy, ...)."""
+
+    task: TaskConfig | None = Field(None, description="one task of held-out problems, e.g. "
+                                    "{type: arithmetic, split: eval}")
+    tasks: dict[str, EvalTask] = Field(default_factory=dict, description="several by name")
     every_versions: int = Field(1, ge=1, description="evaluate versions divisible by this")
-    max_new_tokens: int = Field(24, ge=1, description="per completion (of task)")
-    grader: GraderConfig = Field(default_factory=MathGrader,  # type: ignore[assignment]
-                                 description="of task: {type: math}, {type: exact} or {type: shapes}")
-    agent: str | None = Field(None, description="of task: a ChatAgent's import path (EvalTask)")
-    max_turns: int = Field(4, ge=1, description="of task: requests per agent episode")
-
-    _agent = field_validator("agent")(_importable_agent)
-
-    _grader_for_task = model_validator(mode="before")(lambda data: default_grader(data))
 
     @model_validator(mode="after")
     def _one_form(self) -> EvaluationConfig:
         if (self.task is None) == (not self.tasks):
             raise ValueError("give task (one) or tasks (several by name), not both or neither")
-        if bad := [name for name, t in self.tasks.items() if t.samples > 1 and t.temperature is None]:
-            raise ValueError(f"tasks.{bad[0]}: samples > 1 need a temperature; hint: e.g. temperature: 0.8")
+        if bad := [n for n, t in self.tasks.items() if t.samples > 1 and t.temperature is None]:
+            raise ValueError(f"tasks.{bad[0]}: samples > 1 need a temperature; hint: e.g. "
+                             "temperature: 0.8")
         return self
 
     def evaluations(self) -> dict[str, EvalTask]:
-        """Each task by its metric prefix ("" for ``task``, its name for one of ``tasks``), intervals filled."""
+        """Each task by its metric prefix ("" for ``task``), intervals filled."""
         if self.task is not None:
-            return {"": EvalTask.model_validate({"task": self.task, "grader": self.grader, "every_versions":
-                                                 self.every_versions, "max_new_tokens": self.max_new_tokens,
-                                                 "agent": self.agent, "max_turns": self.max_turns})}
-        return {name: t.model_copy(update={"every_versions": t.every_versions or self.every_versions})
-                for name, t in self.tasks.items()}
+            keys = ("task", "grader", "every_versions", "max_new_tokens", "agent", "max_turns")
+            return {"": EvalTask.model_validate({k: getattr(self, k) for k in keys})}
+        return {name: t.model_copy(update={"every_versions": t.every_versions or
+                                           self.every_versions}) for name, t in self.tasks.items()}
 
 
 def metric_key(prefix: str, key: str) -> str:
-    """An evaluation's metric ``key`` for the task of ``prefix`` (`EvaluationConfig.evaluations`)."""
     return f"{prefix}/{key}" if prefix else key
 
 
-def evaluated_before(run_dir: Path | None, replica: str, prefixes: list[str]) -> dict[str, set[int]]:
-    """Per task prefix, the versions evaluation ``replica`` (``STAGE.R``) of a resumed run evaluated up to the
-    version of the checkpoint it resumes from (later ones were of weights the resume discards); empty sets
-    for a new run."""
+def evaluated_before(run_dir: Path | None, replica: str,
+                     prefixes: list[str]) -> dict[str, set[int]]:
+    """Per task prefix, the versions ``replica`` (``STAGE.R``) logged up to the checkpoint the
+    run resumes from."""
     from molt.runtime.checkpoint import resumed_version
 
     if run_dir is None:
         return {prefix: set() for prefix in prefixes}
     upto, stage = resumed_version(run_dir), replica.rsplit(".", 1)[0]
     before = logged_steps(run_dir / "metrics" / f"{replica}.jsonl")
-    return {prefix: {v for v in before.get(f"{stage}/{metric_key(prefix, 'accuracy')}", ()) if upto is None or v <= upto}
+    return {prefix: {v for v in before.get(f"{stage}/{metric_key(prefix, 'accuracy')}", ())
+                     if upto is None or v <= upto}
             for prefix in prefixes}
 
 
-class Evaluator:
-    """The evaluations of one stage, of its ``engine`` (read at each use: a restarted one is taken) with its
-    ``chat`` template: stages.evaluate's on its own engine, or a rollout's ``evaluate:`` on the rollout's.
-    Holds each task's problems and the versions it was evaluated at (a resumed run's: `evaluated_before`, or
-    the stage's checkpoint, `load_state_dict`). ``base`` prefixes the metric keys (``eval``:
-    ``rollout/eval/accuracy``, ``rollout/eval/gsm8k/pass@8``), ``port`` is the stage's output for one
-    EVAL_SCHEMA row per task and evaluation. Replica 0 evaluates (the others' would repeat it); with
-    ``config`` None, or on another replica, it has no task and does nothing.
+Retrying = Callable[[Callable[[], Awaitable[None]], str], Awaitable[None]]
 
-    On a rollout's engine, an evaluation runs in the background (`start`), its requests in the engine's queue
-    beside the rollout's (vLLM serves them first come, first served) at their own sampling settings, and never
-    in a trajectory; the tasks not yet done run again on a restarted engine (``retrying``: molt.engines.restart;
-    counted: ``evaluations_retried``). The rollout's refits wait for it (`refit`), so that it is of one version
-    (every token checked: `grade_samples`); hence an engine that takes streamed refits, which the trainer's send
-    waits for, is refused. At the end (`finish`) the last version is evaluated on every task.
+
+class Evaluator:
+    """The evaluations of one stage on ``stage.engine``; replica 0 only. ``base`` prefixes the
+    metric keys; ``port`` gets one EVAL_SCHEMA row per task and evaluation.
+
+    An evaluation runs in the background (`start`), again on a restarted engine (``retrying``).
+    Refits wait for it (`refit`), so it is of one version; hence streamed refits are refused.
     """
 
-    def __init__(self, stage: Any, config: EvaluationConfig | None, where: str, port: str, base: str = "",
-                 retrying: Callable[[Callable[[], Awaitable[None]], str], Awaitable[None]] | None = None) -> None:
+    def __init__(self, stage: Any, config: EvaluationConfig | None, where: str, port: str,
+                 base: str = "", retrying: Retrying | None = None) -> None:
         self.stage, self.port, self.base, self.retrying = stage, port, base, retrying
         self.tasks = config.evaluations() if config is not None and stage.ctx.replica == 0 else {}
         if self.tasks and (transport := stage.config.engine.transport.type) != "shm":
-            raise ValueError(f"{where}: an evaluation holds the engine's refits, and engine.transport {transport} "
-                             "refits are streamed: the trainer's send would wait for it; hint: an evaluation stage "
-                             "fed by files (pipelines/gsm8k_gpu.yaml)")
+            raise ValueError(f"{where}: an evaluation holds the engine's refits, and "
+                             f"engine.transport {transport} refits are streamed: the trainer's "
+                             "send would wait for it; hint: an evaluation stage fed by files "
+                             "(pipelines/gsm8k_gpu.yaml)")
         self.prefix = {name: "/".join(filter(None, (base, name))) for name in self.tasks}
-        self.problems = {name: load_problems(t.task, f"{where}.tasks.{name}" if name else f"{where}.task")
-                         for name, t in self.tasks.items()}
+        self.problems = {name: load_problems(t.task, f"{where}.tasks.{name}" if name else
+                                             f"{where}.task") for name, t in self.tasks.items()}
         before = evaluated_before(stage.ctx.run_dir, f"{stage.ctx.stage_id}.{stage.ctx.replica}",
                                   list(self.prefix.values())) if self.tasks else {}
         self.evaluated = {name: before[self.prefix[name]] for name in self.tasks}
         self.task: asyncio.Future[None] | None = None  # the evaluation `start` started
         if self.tasks:
-            stage.log.info("%s", "; ".join(f"{self.prefix[name] or 'evaluation'}: {len(self.problems[name])} problems, "
-                                           f"every {t.every_versions} versions" for name, t in self.tasks.items()))
+            stage.log.info("%s", "; ".join(
+                f"{self.prefix[name] or 'evaluation'}: {len(self.problems[name])} problems, every "
+                f"{t.every_versions} versions" for name, t in self.tasks.items()))
 
     def not_yet(self, version: int, names: Any = None) -> list[str]:
         """Those of ``names`` (default: every task) not evaluated at ``version``."""
-        return [name for name in self.tasks if (names is None or name in names) and version not in self.evaluated[name]]
+        return [name for name in self.tasks
+                if (names is None or name in names) and version not in self.evaluated[name]]
 
     def due(self, version: int) -> list[str]:
-        """The tasks to evaluate at the newest ``version``: those with a multiple of their ``every_versions``
-        published after the last version they were evaluated at (0: every task, in a new run)."""
-        last_due = {name: version - version % (t.every_versions or 1) for name, t in self.tasks.items()}
-        return [name for name in self.not_yet(version) if last_due[name] > max(self.evaluated[name], default=-1)]
+        """The tasks with a multiple of ``every_versions`` in (last evaluated, ``version``]."""
+        last_due = {name: version - version % (t.every_versions or 1)
+                    for name, t in self.tasks.items()}
+        return [name for name in self.not_yet(version)
+                if last_due[name] > max(self.evaluated[name], default=-1)]
 
     def start(self, final: bool = False) -> None:
-        """Evaluate the engine's version in the background on the tasks `due` (``final``: every task
-        `not_yet` evaluated at it), if any; the evaluation before must have ended."""
+        """Evaluate the engine's version in the background on the tasks `due` (``final``: every
+        task `not_yet` evaluated at it)."""
         assert self.task is None or self.task.done(), "one evaluation at a time"
         if names := (self.not_yet if final else self.due)(self.stage.engine.policy_version):
             run = self.retrying or (lambda attempt, _: attempt())
             self.task = asyncio.ensure_future(run(lambda: self.run(names), "evaluations_retried"))
 
     async def refit(self, refit: Callable[[], Awaitable[float | None]], wait: bool) -> float | None:
-        """``await refit()`` (a refit of the engine: the seconds it took, or None) once no evaluation runs, then
-        `start` those due at the engine's version (the first call: the initial weights'); while one runs, None
-        at once unless ``wait``. Raises what the evaluation raised."""
+        """``await refit()`` once no evaluation runs, then `start` those due; while one runs,
+        None at once unless ``wait``."""
         if self.task is not None and not self.task.done() and not wait:
             return None
         await self._ended()
@@ -337,7 +325,7 @@ class Evaluator:
         return seconds
 
     async def finish(self) -> None:
-        """The evaluation running, then one of the last version on every task not evaluated at it."""
+        """Let the running evaluation end, then evaluate the last version on every task."""
         await self._ended()
         self.start(final=True)
         await self._ended()
@@ -347,40 +335,44 @@ class Evaluator:
             await self.task  # raises what it raised
 
     def state_dict(self) -> dict[str, Any]:
-        """For the stage's checkpoint: the versions evaluated, each task's row sent (so a resume cut back
-        to the checkpoint evaluates again those whose rows it discards)."""
-        return {"evaluated": {name: sorted(v) for name, v in self.evaluated.items()}} if self.tasks else {}
+        """The versions evaluated whose rows were sent."""
+        if not self.tasks:
+            return {}
+        return {"evaluated": {name: sorted(v) for name, v in self.evaluated.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The versions of `state_dict`, in place of those the metrics hold (`evaluated_before`)."""
+        """The versions of `state_dict`, in place of `evaluated_before`'s."""
         for name, versions in state.get("evaluated", {}).items():
             if name in self.evaluated:
                 self.evaluated[name] = set(versions)
 
     def close(self) -> None:
-        """Cancel an evaluation still running (a failed stage's)."""
         if self.task is not None:
             self.task.cancel()
 
     async def run(self, names: list[str]) -> None:
-        """Evaluate the engine's current weights on each of ``names`` not yet evaluated at its version: logs
-        its metrics at step = version and sends its row. Raises what `evaluate` raises."""
+        """Evaluate the engine's version on each of ``names`` `not_yet` evaluated: log its
+        metrics at step = version and send its row."""
         engine, version = self.stage.engine, self.stage.engine.policy_version
         for name in self.not_yet(version, names):
             t, prefix, start = self.tasks[name], self.prefix[name], time.monotonic()
             values: dict[str, Any] = await evaluate(
-                engine, self.stage.chat, self.problems[name], t.grader, max_new_tokens=t.max_new_tokens,
-                max_model_len=self.stage.config.engine.max_model_len, samples=t.samples,
-                temperature=t.temperature or 0.0, tag=f"eval-v{version}{'-' + name if name else ''}", version=version,
-                agent=t.agent, max_turns=t.max_turns)
-            values |= {"num_problems": len(self.problems[name]), "seconds": time.monotonic() - start}
+                engine, self.stage.chat, self.problems[name], t.grader,
+                max_new_tokens=t.max_new_tokens, samples=t.samples,
+                max_model_len=self.stage.config.engine.max_model_len,
+                temperature=t.temperature or 0.0, version=version, agent=t.agent,
+                tag=f"eval-v{version}{'-' + name if name else ''}", max_turns=t.max_turns)
+            values |= {"num_problems": len(self.problems[name]),
+                       "seconds": time.monotonic() - start}
             if not self.evaluated[name]:
                 values["accuracy_baseline"] = values["accuracy"]
             self.stage.metrics.log({metric_key(prefix, k): v for k, v in values.items()} | {
                 metric_key(self.base, "policy_version"): version}, step=version)
-            self.stage.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)", version,
-                                f" {prefix}" if prefix else "", values["accuracy"], values["accuracy_stderr"],
-                                values["num_problems"], values["seconds"])
-            row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values}, "policy_version": version, "task": name}
+            self.stage.log.info("eval version %d%s: accuracy %.3f +- %.3f (%d problems, %.1fs)",
+                                version, f" {prefix}" if prefix else "", values["accuracy"],
+                                values["accuracy_stderr"], values["num_problems"],
+                                values["seconds"])
+            row = {**{k: values[k] for k in EVAL_SCHEMA.names if k in values},
+                   "policy_version": version, "task": name}
             await self.stage.send(self.port, batch_from_rows([row], EVAL_SCHEMA))
-            self.evaluated[name].add(version)  # after the send: a checkpoint taken during it does not hold it
+            self.evaluated[name].add(version)  # after the send, so a checkpoint during it lacks it

@@ -1,27 +1,11 @@
 """Tools an agent calls: the `Tool` contract, tool-call parsers, and tools in chat templates.
 
-A policy calls a tool by *generating* the call as text in its model family's format; a
-`ToolParser` finds the calls in a turn's decoded text (as vLLM's tool parsers do) and the
-calls' tokens stay the engine's own (``loss_mask`` true). Tool results come back as
-``role: "tool"`` messages, rendered by the chat template (``loss_mask`` false).
-
-Formats (``tool_parser`` of the rollout, or an import path of a `ToolParser` subclass):
-
-* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per
-  call (Hermes, Qwen2.5, Qwen3, SmolLM3); a block holding a JSON list of calls is several
-  calls (SmolLM2's own format).
-
-A call that cannot be read (a block without its closing tag, e.g. cut by ``max_new_tokens``;
-JSON that does not parse; no ``name``; ``arguments`` not an object) is *malformed*: the turn
-is returned as the text it is, with the reason, never repaired or dropped.
-
-Templates: a chat template that renders ``tools`` (Qwen2.5/Qwen3, Llama 3.1, ...) gets the
-tools, the assistant's ``tool_calls`` and the ``tool`` messages in the Hugging Face
-convention. For a template that ignores ``tools`` (SmolLM2-135M-Instruct's), `fallback_messages`
-is the documented fallback: the parser's instructions and the tools' JSON schemas are added to
-the system message (Qwen2.5's wording), an assistant's calls are rendered in the parser's
-format after its text, and consecutive tool results become one user message of
-``<tool_response>...</tool_response>`` blocks.
+A policy calls a tool by generating the call as text; a `ToolParser` finds the calls in the
+decoded turn (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
+a block may hold a JSON list). A call that cannot be read is *malformed*: the turn is returned
+as its text, with the reason, never repaired. For a template that ignores ``tools``,
+`fallback_messages` puts the tools in the system message (Qwen2.5's wording), calls in the
+parser's format, and tool results in user messages of ``<tool_response>`` blocks.
 """
 
 from __future__ import annotations
@@ -33,13 +17,11 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-Message = dict[str, Any]  # as molt.agents.base.Message (which imports this module's Tool for Env.tools)
+Message = dict[str, Any]  # molt.agents.base.Message, which imports this module
 
 
 class Tool(abc.ABC):
-    """A function an agent may call: ``name``, ``description`` and ``parameters`` (a JSON schema
-    of the arguments object), and `call`. Used by an `molt.agents.base.Env` (its ``tools``) and
-    by agent code (`schema` is what ``client.chat.completions.create(tools=[...])`` takes)."""
+    """A function an agent may call; ``parameters`` is the JSON schema of its arguments."""
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
@@ -47,31 +29,28 @@ class Tool(abc.ABC):
 
     @abc.abstractmethod
     def call(self, arguments: dict[str, Any]) -> str:
-        """The result of a call with ``arguments`` (parsed JSON), as the text the policy reads.
-        An exception is reported to the policy as ``error: ...`` (`run_tool`)."""
+        """The text the policy reads; an exception is reported to it as ``error: ...``."""
 
     @classmethod
     def schema(cls) -> dict[str, Any]:
-        """The OpenAI tool definition: ``{"type": "function", "function": {name, description, parameters}}``."""
         return {"type": "function", "function": {"name": cls.name, "description": cls.description,
                                                  "parameters": cls.parameters}}
 
 
 def run_tool(tools: dict[str, Tool], call: ToolCall) -> str:
-    """The result text of ``call`` on ``tools`` (by name); an unknown name or a tool's exception
-    becomes an ``error: ...`` result, so the policy sees what went wrong and the episode goes on."""
+    """The result text of ``call``; an unknown name or an exception is an ``error: ...``."""
     tool = tools.get(call.name)
     if tool is None:
         return f"error: no tool named {call.name!r}; the tools are {sorted(tools)}"
     try:
         return tool.call(call.arguments)
-    except Exception as e:  # noqa: BLE001 - a failed call is the policy's information, not the rollout's failure
+    except Exception as e:  # noqa: BLE001 - the policy's information, not the rollout's failure
         return f"error: {type(e).__name__}: {e}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: its ``id`` (unique in the rollout), ``name`` and ``arguments`` (a JSON object)."""
+    """One parsed call; ``id`` is unique in the rollout."""
 
     id: str
     name: str
@@ -85,8 +64,8 @@ class ToolCall:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedTurn:
-    """A turn's text read by a `ToolParser`: ``content`` (the text outside calls; None if empty),
-    ``calls``, and ``malformed`` (why the call text is not a call; "" when none is)."""
+    """``content``: the text outside calls (None if empty); ``malformed``: why the call text is
+    not a call ("" when none is)."""
 
     content: str | None
     calls: list[ToolCall]
@@ -94,25 +73,25 @@ class ParsedTurn:
 
 
 class ToolParser(abc.ABC):
-    """Finds tool calls in generated text, and writes calls and tool definitions in the same format."""
+    """Finds tool calls in generated text; writes calls and tool definitions in its format."""
 
     name: ClassVar[str]
 
     @abc.abstractmethod
     def parse(self, text: str, call_prefix: str) -> ParsedTurn:
-        """The calls in ``text``, with ids ``{call_prefix}_{i}``; malformed ones are reported, not repaired."""
+        """The calls in ``text``, with ids ``{call_prefix}_{i}``."""
 
     @abc.abstractmethod
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        """The text of OpenAI ``tool_calls`` in this format (the fallback rendering of a template without tools)."""
+        """The text of OpenAI ``tool_calls`` in this format."""
 
     @abc.abstractmethod
     def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
-        """The system-message text that defines ``tools`` (OpenAI definitions) in this format."""
+        """The system-message text that defines ``tools`` (OpenAI definitions)."""
 
 
 class HermesParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (module docstring)."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
 
     name = "hermes"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -154,17 +133,18 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
 
 
 def tool_parser(name: str, where: str) -> ToolParser:
-    """The parser named ``name`` (`TOOL_PARSERS`) or imported from its path (a `ToolParser` subclass).
+    """The parser named ``name`` (`TOOL_PARSERS`) or imported from its path.
 
     Raises:
-        ValueError: neither, naming ``where`` and the built-in names.
+        ValueError: neither, naming ``where``.
     """
     from molt.config import import_class
 
     if name in TOOL_PARSERS:
         return TOOL_PARSERS[name]()
     if "." not in name:
-        raise ValueError(f"{where}: no tool parser {name!r}; built in: {sorted(TOOL_PARSERS)}, or an import path")
+        raise ValueError(f"{where}: no tool parser {name!r}; built in: {sorted(TOOL_PARSERS)}, "
+                         "or an import path")
     cls = import_class(name, where)
     if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
         raise ValueError(f"{where}: {name} is not a molt.agents.tools.ToolParser subclass")
@@ -172,28 +152,31 @@ def tool_parser(name: str, where: str) -> ToolParser:
 
 
 def template_messages(messages: list[Message]) -> list[Message]:
-    """``messages`` in the Hugging Face template convention: an assistant's ``tool_calls`` with
-    ``arguments`` as objects (the OpenAI API writes them as JSON strings)."""
+    """``messages`` with the ``arguments`` of an assistant's ``tool_calls`` as objects (the
+    Hugging Face convention), not JSON strings."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
             m = {**m, "content": m.get("content") or "", "tool_calls": [
-                {"type": "function", "function": {"name": c["function"]["name"],
-                                                  "arguments": json.loads(c["function"]["arguments"])}}
+                {"type": "function", "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.loads(c["function"]["arguments"])}}
                 for c in m["tool_calls"]]}
         out.append(m)
     return out
 
 
-def fallback_messages(messages: list[Message], tools: Sequence[dict[str, Any]], parser: ToolParser) -> list[Message]:
-    """``messages`` rewritten for a template that does not render tools (module docstring)."""
+def fallback_messages(messages: list[Message], tools: Sequence[dict[str, Any]],
+                      parser: ToolParser) -> list[Message]:
+    """``messages`` rewritten for a template that does not render tools."""
     system = parser.tools_prompt(tools)
     out: list[Message] = []
     for m in messages:
         if m["role"] == "system" and not out:
             m = {"role": "system", "content": f"{m['content']}\n\n{system}"}
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            m = {"role": "assistant", "content": (m.get("content") or "") + parser.render_calls(m["tool_calls"])}
+            calls = parser.render_calls(m["tool_calls"])
+            m = {"role": "assistant", "content": (m.get("content") or "") + calls}
         elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
             if out and out[-1].get("tool_results"):

@@ -1,10 +1,13 @@
 """Pure tensor functions of RL for language models: advantages, losses, corrections,
 KL, aggregation, DAPO extras and metrics. No I/O, no global state, any device.
 
-Conventions: per-token tensors are padded [B, T] with a bool `loss_mask` [B, T]
-that is true exactly on generated tokens; every output is exactly 0 (with 0
-gradient) off the mask. Group structure comes from the record-batch columns
-`prompt_id`, `rollout_id` as Python lists (see groups.py).
+Conventions, which each function's docstring states only where it departs:
+- per-token tensors are padded [B, T] (B rows, T tokens) with a bool `loss_mask`
+  [B, T], true exactly on generated tokens; every [B, T] output is exactly 0, with
+  0 gradient, off the mask, even where the inputs hold NaN or inf;
+- empty input ([0], [0, T], [B, 0]) keeps its shape, all-masked input gives zeros
+  with zero gradient, and a metric of either is 0.0, never NaN;
+- groups come from the columns `prompt_id`, `rollout_id` as Python lists (groups.py).
 """
 
 from molt.algorithms.advantage_configs import (

@@ -1,14 +1,11 @@
 """Advantage configs: select an estimator by its YAML `type:`, with no registry.
 
-Each config class carries a `type: Literal[...]` tag and one method that calls
-its function, so adding an estimator is one function plus one class here, added
-to the `AdvantageConfig` union. The union is a pydantic discriminated union: an
-unknown `type` or key fails at load, naming the valid choices.
-
     advantage: {type: grpo, eps: 1.0e-6}
 
-`compute(AdvantageInputs) -> [N, T]` is the one call an advantage stage makes;
-`required_columns` lists the record-batch columns it reads.
+Each class has a `type` tag, `required_columns` (the record-batch columns it
+reads) and `compute(AdvantageInputs) -> [N, T]`, which calls the function that
+holds formula and paper. A new estimator is one function, plus one class added to
+the `AdvantageConfig` discriminated union (an unknown `type` or key fails at load).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from molt.config import FrozenConfig
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """Columns of one advantage batch (N rows, padded to T tokens); optional ones may be None."""
+    """Columns of one advantage batch (N rows, padded to T tokens)."""
 
     prompt_ids: Sequence[str]  # [N]
     rollout_ids: Sequence[str]  # [N]
@@ -58,17 +55,11 @@ class _GroupEstimator(FrozenConfig):
     required_columns: ClassVar[tuple[str, ...]] = ("prompt_id", "rollout_id", "reward")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """Subclasses: rewards [R], group_ids [R] -> [R] (formula and paper there);
-        empty -> [0]."""
+        """rewards [R], group_ids [R] -> [R] (advantages.py)."""
         raise NotImplementedError
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
-        """Advantages [N, T], 0 off-mask: A_it = estimate(...)[rollout(i)] * m_it.
-
-        Formula and paper: the class's `estimate` (advantages.py). Shapes: inputs of
-        N rows, loss_mask [N, T] -> [N, T]. Empty ([0, T], [N, 0]) -> zeros of the
-        mask's shape; an all-masked row -> zeros.
-        """
+        """A_it = estimate(...)[rollout(i)] * m_it, [N, T] (`adv.row_advantages`)."""
         rows = adv.row_advantages(
             self.estimate, inputs.prompt_ids, inputs.rollout_ids, inputs.rewards
         )
@@ -80,7 +71,6 @@ class GRPOConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the group std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_g) / (std_g + eps); GRPO, Shao et al. 2024, arXiv:2402.03300."""
         return adv.grpo_advantages(rewards, group_ids, self.eps)
 
 
@@ -88,7 +78,6 @@ class DrGRPOConfig(_GroupEstimator):
     type: Literal["dr_grpo"] = "dr_grpo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """r - mean_g; Dr.GRPO, Liu et al. 2025, arXiv:2503.20783."""
         return adv.dr_grpo_advantages(rewards, group_ids)
 
 
@@ -96,7 +85,6 @@ class RLOOConfig(_GroupEstimator):
     type: Literal["rloo"] = "rloo"
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """r - mean of the others in g; RLOO, Ahmadian et al. 2024, arXiv:2402.14740."""
         return adv.rloo_advantages(rewards, group_ids)
 
 
@@ -105,7 +93,6 @@ class ReinforcePPConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_B) / (std_B + eps); REINFORCE++, Hu 2025, arXiv:2501.03262."""
         return adv.reinforce_pp_advantages(rewards, group_ids, self.eps)
 
 
@@ -114,7 +101,6 @@ class ReinforcePPBaselineConfig(_GroupEstimator):
     eps: float = Field(1e-6, gt=0, description="added to the batch std")
 
     def estimate(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """(r - mean_g) / (std_B + eps); REINFORCE++-baseline, Hu 2025, arXiv:2501.03262."""
         return adv.reinforce_pp_baseline_advantages(rewards, group_ids, self.eps)
 
 
@@ -125,13 +111,7 @@ class GAEConfig(FrozenConfig):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
-        """GAE with the row's reward on its last loss token; one segment per rollout.
-
-        A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t
-        (Schulman et al. 2016, arXiv:1506.02438). Shapes: rewards [N], values and
-        loss_mask [N, T] -> [N, T]. Empty ([0, T], [N, 0]) -> zeros of that shape;
-        an all-masked row -> zeros.
-        """
+        """`gae_advantages` with the row's reward on its last loss token; one row per rollout."""
         index = index_rollouts(inputs.prompt_ids, inputs.rollout_ids, inputs.rewards)
         if index.rollout_group.numel() != len(inputs.prompt_ids):
             raise ValueError(
@@ -150,11 +130,6 @@ class DistillationConfig(FrozenConfig):
     beta: float = Field(1.0, gt=0, description="weight of the per-token reverse KL")
 
     def compute(self, inputs: AdvantageInputs) -> Tensor:
-        """On-policy distillation: A_t = -beta * (log pi(y_t) - log pi_teacher(y_t)).
-
-        Agarwal et al. 2024 (GKD, arXiv:2306.13649); Thinking Machines 2025 blog.
-        Shapes: logprobs and loss_mask [N, T] -> [N, T]. Empty or all-masked -> zeros.
-        """
         student = _need(inputs, "rollout_logprobs", "distillation")
         teacher = _need(inputs, "teacher_logprobs", "distillation")
         return distillation_advantages(student, teacher, inputs.loss_mask, self.beta)

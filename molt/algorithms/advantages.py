@@ -1,17 +1,16 @@
 """Outcome advantage estimators: one scalar per rollout, from the rewards of its group.
 
-Every estimator here has the signature `(rewards [R], group_ids [R]) -> [R]`,
-one value per rollout (not per segment), and returns exactly 0 for every member
-of a *flat* group (all rewards equal), however fp32 rounds the group's mean
-and std. `row_advantages` lifts an estimator to the rows of a record batch.
+Every estimator maps (rewards [R] float, group_ids [R] long in 0..G-1) -> [R], one
+value per rollout (not per segment), and gives exactly 0, with zero gradient, to
+every member of a *flat* group (all rewards equal, or a group of one), however
+fp32 rounds the group's mean and std.
 
 Worked example used below: 2 prompts x 3 samples,
     rewards   [1., 0., 0.,   0.5, 0.5, 0.5]
     group_ids [0,  0,  0,    1,   1,   1  ]
 Group 0 has mean 1/3 and Bessel std 0.5774; group 1 is flat.
-Empty input gives empty output; a group of one rollout is flat.
 
-Shape legend: R rollouts, N rows, T tokens.
+Shape legend: R rollouts, N rows.
 """
 
 from __future__ import annotations
@@ -38,11 +37,8 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Te
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps).
 
     Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), outcome supervision.
-    std is Bessel-corrected, as in TRL and verl. Flat groups give exactly 0
-    instead of (tiny / (tiny + eps)).
-    Shapes: rewards [R] float, group_ids [R] long in 0..G-1 -> [R].
-    Example: -> [1.1547, -0.5773, -0.5773, 0., 0., 0.].
-    Empty input ([0]) -> [0]; a flat group (or a group of one) -> exact 0 with zero gradient.
+    std is Bessel-corrected, as in TRL and verl; a flat group gives 0, not
+    tiny / (tiny + eps). Example: -> [1.1547, -0.5773, -0.5773, 0., 0., 0.].
     """
     stats = group_stats(rewards, group_ids, _num_groups(group_ids))
     centred = rewards - stats.mean[group_ids]
@@ -54,10 +50,7 @@ def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
     Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783).
     The other half of Dr.GRPO, no length normalisation, is the aggregation mode
-    `seq_mean_token_sum` (aggregation.py).
-    Shapes: rewards [R], group_ids [R] -> [R].
-    Example: -> [0.6667, -0.3333, -0.3333, 0., 0., 0.].
-    Empty input ([0]) -> [0]; a flat group (or a group of one) -> exact 0 with zero gradient.
+    `seq_mean_token_sum`. Example: -> [0.6667, -0.3333, -0.3333, 0., 0., 0.].
     """
     stats = group_stats(rewards, group_ids, _num_groups(group_ids))
     return _zero_if_flat(rewards - stats.mean[group_ids], stats.flat[group_ids])
@@ -67,11 +60,8 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """RLOO: A_i = r_i - (sum_g - r_i) / (n_g - 1), the mean of the *other* samples.
 
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
-    Optimization" (arXiv:2402.14740). A group of one has no baseline; it is
-    flat and gets 0.
-    Shapes: rewards [R], group_ids [R] -> [R].
+    Optimization" (arXiv:2402.14740). A group of one has no baseline: 0.
     Example: -> [1.0, -0.5, -0.5, 0., 0., 0.].
-    Empty input ([0]) -> [0]; a flat group -> exact 0 with zero gradient.
     """
     num_groups = _num_groups(group_ids)
     stats = group_stats(rewards, group_ids, num_groups)
@@ -91,15 +81,12 @@ def _whiten(values: Tensor, eps: float, centre: bool) -> Tensor:
 def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
     """REINFORCE++: A_i = (r_i - mean_B) / (std_B + eps), whitened over the batch.
 
-    Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262). Groups are ignored. We
-    whiten over rollouts (each counted once), where OpenRLHF whitens over tokens,
-    so long answers do not dominate the statistics. Fold a KL penalty into the
-    rewards first (kl.py) for the paper's KL-in-reward form.
-    Shapes: rewards [R], group_ids [R] (unused) -> [R].
-    Empty input ([0]) -> [0]; fewer than 2 rollouts or all rewards equal -> exact zeros.
+    Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262). Groups are ignored, so a
+    flat group is not 0; under 2 rollouts or all rewards equal -> zeros. We
+    whiten over rollouts, not tokens as OpenRLHF, so long answers do not
+    dominate. For the paper's KL-in-reward form, fold the KL in first (kl.py).
     Example: batch mean 0.4167, std 0.3764
-    -> [1.5498, -1.1070, -1.1070, 0.2214, 0.2214, 0.2214] (the flat group is not 0:
-    its reward sits above the batch mean).
+    -> [1.5498, -1.1070, -1.1070, 0.2214, 0.2214, 0.2214].
     """
     del group_ids
     return _whiten(rewards, eps, centre=True)
@@ -108,14 +95,11 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-
 def reinforce_pp_baseline_advantages(
     rewards: Tensor, group_ids: Tensor, eps: float = 1e-6
 ) -> Tensor:
-    """REINFORCE++-baseline: subtract the group mean, then divide by the batch std.
+    """REINFORCE++-baseline: A_i = (r_i - mean_g) / (std_B(r - mean_g) + eps).
 
-    Hu et al. 2025 (arXiv:2501.03262), eq. for the baseline variant. The
-    batch mean of group-centred rewards is 0 by construction (rollout-level),
-    so we skip subtracting it: flat groups then stay exactly 0.
-        A_i = (r_i - mean_g) / (std_B(r - mean_g) + eps)
-    Shapes: rewards [R], group_ids [R] -> [R].
-    Empty input ([0]) -> [0]; all groups flat -> exact zeros.
+    Hu et al. 2025 (arXiv:2501.03262), the baseline variant. The batch mean of
+    group-centred rewards is 0 by construction, so we skip subtracting it and
+    flat groups stay exactly 0.
     Example: centred [0.6667, -0.3333, -0.3333, 0, 0, 0], batch std 0.3651
     -> [1.8257, -0.9129, -0.9129, 0., 0., 0.].
     """
@@ -125,18 +109,14 @@ def reinforce_pp_baseline_advantages(
 def row_advantages(
     estimator: Estimator, prompt_ids: Sequence[str], rollout_ids: Sequence[str], rewards: Tensor
 ) -> Tensor:
-    """Apply `estimator` to the rollouts of a batch of rows -> one advantage per row [N].
+    """Apply `estimator` to the rollouts of N rows -> one advantage per row [N].
 
-    A_row = estimator(rollout_rewards, rollout_group)[rollout(row)]. Source: the
-    estimator's paper; the row-to-rollout collapse is Molt's (groups.py).
-    Shapes: prompt_ids [N], rollout_ids [N], rewards [N] -> [N]. Empty input -> [0].
-
-    Segments of one rollout count once in group statistics and all receive the
-    rollout's advantage. Example: prompt_ids ["p"] * 5, rollout_ids
-    ["win", "lose", "lose", "lose", "lose"], rewards [1, 0, 0, 0, 0] under
-    `dr_grpo_advantages`: baseline 0.5 (not 0.2) -> [0.5, -0.5, -0.5, -0.5, -0.5].
-    A zero-length completion is a rollout like any other: its reward counts once
-    and its advantage stays in its own row (it has no tokens, so no loss).
+    A_row = estimator(rollout_rewards, rollout_group)[rollout(row)] (groups.py):
+    segments of one rollout count once and all receive its advantage; a
+    zero-length completion is a rollout like any other. Example: prompt_ids
+    ["p"] * 5, rollout_ids ["win", "lose", "lose", "lose", "lose"], rewards
+    [1, 0, 0, 0, 0] under `dr_grpo_advantages`: baseline 0.5 (not 0.2)
+    -> [0.5, -0.5, -0.5, -0.5, -0.5].
     """
     index = index_rollouts(prompt_ids, rollout_ids, rewards)
     per_rollout = estimator(index.rollout_rewards, index.rollout_group)

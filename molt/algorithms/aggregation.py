@@ -5,22 +5,16 @@ data-parallel ranks, all gradient-accumulation micro-batches), which the pack
 stage sends with the step (DESIGN §8). So the shares of all micro-batches on
 all ranks sum to the full-batch loss, whatever the split:
 
-    token_mean              sum_it l_it / N_tokens
-    seq_mean_token_mean     sum_i (sum_t l_it / n_i) / N_seqs
-    seq_mean_token_sum      sum_it l_it / (N_seqs * normalizer)     (Dr.GRPO)
+    token_mean              sum_it l_it / N_tokens                  DAPO, arXiv:2503.14476
+    seq_mean_token_mean     sum_i (sum_t l_it / n_i) / N_seqs       GRPO, arXiv:2402.03300
+    seq_mean_token_sum      sum_it l_it / (N_seqs * normalizer)     Dr.GRPO, arXiv:2503.20783
 
-with n_i the valid tokens of row i, N_tokens and N_seqs the step's valid tokens
-and rows with at least one valid token (`count_loss_tokens`, summed over the
-step), and `normalizer` a constant such as the max generation length.
+with n_i = sum_t m_it the valid tokens of row i, N_tokens = sum_it m_it and
+N_seqs = sum_i any_t m_it over the whole step, and `normalizer` a constant such
+as the max generation length.
 
 Call backward on each share and let gradients *sum*: under DDP/FSDP, whose
 all-reduce averages over ranks, multiply the share by the world size.
-
-Masked entries are removed by selection, so inf or NaN there does not leak:
-per-token losses [[1, 100], [1, -50]] with mask [[1, 0], [1, 0]] give
-token_mean 1.0 and gradient 0.5 on each valid token, 0 elsewhere.
-
-Shape legend: B rows, T tokens.
 """
 
 from __future__ import annotations
@@ -34,13 +28,9 @@ AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 
 def count_loss_tokens(loss_mask: Tensor) -> tuple[int, int]:
-    """(valid tokens, rows with >= 1 valid token) of one micro-batch; sum them over the step.
+    """(N_tokens, N_seqs) of a micro-batch (module docstring); sum them over the step.
 
-    N_tokens = sum_it m_it, N_seqs = sum_i any_t m_it: the denominators of
-    aggregate_loss (token_mean from DAPO, Yu et al. 2025, arXiv:2503.14476).
-    Shapes: loss_mask [B, T] bool -> (int, int).
-    Example: [[1, 1, 0], [0, 0, 0], [1, 0, 0]] -> (3, 2).
-    Empty ([0, T], [B, 0]) or all-false mask -> (0, 0).
+    Example: [[1, 1, 0], [0, 0, 0], [1, 0, 0]] -> (3, 2); empty or all-false -> (0, 0).
     """
     return int(loss_mask.sum()), int(loss_mask.any(-1).sum())
 
@@ -62,17 +52,11 @@ def aggregate_loss(
     global_num_seqs: int,
     normalizer: float | None = None,
 ) -> Tensor:
-    """This micro-batch's share of the step loss (a 0-dim tensor), by `mode`.
+    """This micro-batch's share of the step loss (0-dim), by `mode` (module docstring).
 
-    Formulas: the module docstring. token_mean: DAPO (Yu et al. 2025,
-    arXiv:2503.14476); seq_mean_token_mean: GRPO (Shao et al. 2024,
-    arXiv:2402.03300) and GSPO; seq_mean_token_sum: Dr.GRPO (Liu et al. 2025,
-    arXiv:2503.20783). Shapes: per_token_loss, loss_mask [B, T] -> [] (0-dim).
     Example: two rows, A with 4 valid tokens of loss 1.0, B with 6 tokens all
     masked: token_mean with global_num_tokens 4 -> 1.0 (not 4/10 = 0.4).
-    A micro-batch with no valid token (all-masked, [0, T] or [B, 0]) returns
-    exactly 0 with zero gradient, even with NaN/inf off-mask;
-    a global count of 0 is read as 1 (the whole step is empty).
+    A global count of 0 is read as 1 (an empty step).
     """
     local_tokens, local_seqs = count_loss_tokens(loss_mask)
     _check_global("global_num_tokens", global_num_tokens, local_tokens)

@@ -1,23 +1,16 @@
 """Off-policy corrections between the engine's and the trainer's logprobs.
 
-The engine samples with `rollout_logprobs`; the trainer recomputes the same
-tokens under (nominally) the same weights as `train_logprobs`. Kernels,
-precision and staleness make them differ. Each correction turns the per-token
-log ratio  d_t = train_logprobs - rollout_logprobs  into a `Correction`:
+Kernels, precision and staleness make the trainer's `train_logprobs` differ from
+the engine's `rollout_logprobs` for the same tokens. Each correction turns the
+per-token log ratio  d_t = train_logprobs - rollout_logprobs  into a `Correction`:
 
     weight [B, T]  detached, finite, >= 0, exactly 0 where dropped
     keep   [B, T]  bool, loss_mask minus the dropped tokens
 
-Every correction takes train_logprobs, rollout_logprobs and loss_mask [B, T]; an
-all-masked or empty input gives weight 0 and keep False everywhere, in that shape.
-
 Apply it as  where(keep, weight * per_token_loss, 0)  with `apply_correction`,
 and pass `keep` as the loss_mask of the policy loss, so a dropped token's
-overflowing ratio is never exponentiated. A token whose log ratio is not
-finite is always dropped. The loss denominator is unchanged (aggregation.py
-counts loss_mask tokens): a dropped token counts as a zero-loss token.
-
-Shape legend: B rows, T tokens.
+overflowing ratio is never exponentiated. A NaN or -inf log ratio is always
+dropped (TIS caps +inf). A dropped token still counts in the loss denominator.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from molt.algorithms.losses import MAX_LOG_RATIO, PolicyLoss, ppo_clip_loss
 
 @dataclass(frozen=True)
 class Correction:
-    """weight [B, T] float (detached, finite), keep [B, T] bool."""
+    """weight [B, T] float, keep [B, T] bool (module docstring)."""
 
     weight: Tensor
     keep: Tensor
@@ -54,10 +47,7 @@ def _weights_where(keep: Tensor, log_weight: Tensor) -> Tensor:
 def no_correction(
     train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
 ) -> Correction:
-    """Weight 1 on every valid token; for on-policy runs or when the anchor is the rollout.
-
-    w_t = 1, keep = loss_mask. Source: none (plain on-policy PPO/GRPO, arXiv:1707.06347).
-    """
+    """w_t = 1, keep = loss_mask: on-policy runs, or when the anchor is the rollout."""
     del train_logprobs, rollout_logprobs
     return Correction(loss_mask.float(), loss_mask)
 
@@ -69,8 +59,7 @@ def truncated_is(
 
     Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
     Off-Policy RL Training" (fengyao.notion.site). Computed as
-    exp(min(d_t, log cap)), so d_t = 89 gives cap, not inf. Non-finite d_t is dropped.
-
+    exp(min(d_t, log cap)), so d_t = 89 gives cap, not inf.
     Example: d [[0., log 3, -1.]], cap 2 -> weight [[1., 2., 0.3679]].
     """
     gap = _log_gap(train_logprobs, rollout_logprobs, loss_mask)
@@ -81,11 +70,10 @@ def truncated_is(
 def icepop(
     train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, low: float, high: float
 ) -> Correction:
-    """IcePop: keep a token only if its ratio exp(d_t) lies in [low, high], weighted by it.
+    """IcePop: w_t = M(exp(d_t)), M(k) = k if low <= k <= high else 0 (dropped).
 
     Ling Team 2025, "Small Leak Can Sink a Great Ship: Boost RL Training on
-    MoE with IcePop" (ring-1t report): M(k) = k if low <= k <= high else 0.
-
+    MoE with IcePop" (ring-1t report).
     Example: d [[0., 89., log 0.25]], low 0.5, high 5 -> weight [[1., 0., 0.]],
     keep [[T, F, F]].
     """
@@ -102,7 +90,6 @@ def sequence_mis(
     Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse
     from the Training-Inference Mismatch" (seq-MIS): rejecting instead of
     truncating removes the bias of a truncated weight on outlier sequences.
-
     Example: rows d [[0.1, 0.2], [1., 1.]], cap 2: rho = [1.3499, 7.389]
     -> weight [[1.3499, 1.3499], [0., 0.]].
     """
@@ -120,7 +107,6 @@ def geometric_mis(
     Liu et al. 2025 (as `sequence_mis`); the per-token geometric mean does
     not grow with length, so one band suits short and long answers. It is a
     rejection filter only: kept rows are not reweighted.
-
     Example: rows d [[0.1, -0.1], [0.5, 0.7]], band [0.5, 1.5]: means [0, 0.6],
     exp = [1, 1.8221] -> weight [[1., 1.], [0., 0.]].
     """
@@ -132,13 +118,8 @@ def geometric_mis(
 
 
 def apply_correction(per_token_loss: Tensor, correction: Correction) -> Tensor:
-    """where(keep, weight * loss, 0): dropped tokens give exactly 0 and 0 gradient.
-
-    The importance-weighted loss of TIS/IcePop/MIS (see each correction's paper).
-    Shapes: per_token_loss [B, T], Correction of [B, T] -> [B, T].
-    All-masked (keep all False) or empty input -> zeros of its shape, zero gradient,
-    even with NaN or inf in the loss.
-    """
+    """where(keep, weight * loss, 0) [B, T]: dropped tokens give exactly 0 and 0 gradient,
+    even with NaN or inf in the loss."""
     weighted = correction.weight * per_token_loss
     return torch.where(correction.keep, weighted, torch.zeros_like(weighted))
 
@@ -161,12 +142,7 @@ def decoupled_ppo_loss(
     pi_behav is the engine (`rollout_logprobs`), pi_prox the trainer's
     recomputation at the start of the step. The behaviour weight is truncated
     at `behaviour_cap` (None: e^MAX_LOG_RATIO bound only).
-
     Example: prox = behav (fresh data) reduces to PPO with old = prox.
-    Shapes: logprobs, proximal_logprobs, rollout_logprobs, advantages, loss_mask
-    [B, T] -> PolicyLoss of [B, T].
-    Returns the inner PPO's `PolicyLoss` with its per-token loss reweighted.
-    All-masked input gives zero loss and zero gradient; empty input keeps its shape.
     """
     cap = behaviour_cap if behaviour_cap is not None else math.exp(MAX_LOG_RATIO)
     behaviour = truncated_is(proximal_logprobs, rollout_logprobs, loss_mask, cap)

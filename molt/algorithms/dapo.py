@@ -22,9 +22,9 @@ class GroupSelection:
 
     keep:     groups that fill this step, in arrival order
     surplus:  informative groups beyond the target (hold them for the next step)
-    dropped:  flat groups (all rewards equal): zero advantage, no learning signal
-    num_more_needed: informative groups still missing; the producer should admit
-              at least this many more prompts before the step can start
+    dropped:  flat groups (`is_flat`)
+    num_more_needed: informative groups still missing; admit at least this many
+              more prompts before the step can start
     """
 
     keep: list[int]
@@ -34,32 +34,20 @@ class GroupSelection:
 
 
 def is_flat(rewards: Sequence[float]) -> bool:
-    """True when every reward is exactly equal (also for 0 or 1 reward).
-
-    flat = (max r == min r): the zero-advantage groups that DAPO's dynamic
-    sampling filters out (Yu et al. 2025, arXiv:2503.14476).
-    Shapes: rewards, a sequence of n floats -> bool. Empty ([]) -> True.
-    """
+    """max r == min r, True for 0 or 1 reward: a zero-advantage group."""
     return len(rewards) == 0 or max(rewards) == min(rewards)
 
 
 def select_informative_groups(
     group_rewards: Sequence[Sequence[float]], num_groups_per_step: int
 ) -> GroupSelection:
-    """DAPO dynamic sampling: drop flat groups, keep the step at a fixed number of groups.
+    """DAPO dynamic sampling: keep = the first num_groups_per_step groups not `is_flat`.
 
-    Pass each candidate group's row rewards in arrival order. Segments repeat
-    their rollout's reward, which cannot change whether a group is flat, so rows
-    may be passed as they come.
-
-    keep = the first num_groups_per_step groups with not is_flat(rewards)
-    (Yu et al. 2025, arXiv:2503.14476, dynamic sampling).
-    Shapes: G candidate groups of any length each -> GroupSelection of index lists.
+    Pass each candidate group's row rewards in arrival order (segments repeat
+    their rollout's reward, which cannot change whether a group is flat).
     Example: groups [[1, 0], [1, 1], [0, 0, 1], [0.5, 0.5], [0, 1]] with 2 per
     step -> keep [0, 2], surplus [4], dropped [1, 3], num_more_needed 0;
-    with 4 per step -> keep [0, 2, 4], num_more_needed 1.
-    No candidates -> nothing kept, num_more_needed = num_groups_per_step; an
-    empty group is flat and dropped.
+    with 4 per step -> keep [0, 2, 4], num_more_needed 1. An empty group is flat.
     """
     if num_groups_per_step < 1:
         raise ValueError(
@@ -83,11 +71,8 @@ def overlong_penalty(num_generated: Tensor, max_length: int, cache_length: int) 
         0                              if L <= max_length - cache_length
         ((max_length - cache_length) - L) / cache_length   if inside the cache
         -1                             if L > max_length
-    (DAPO eq. 13, Yu et al. 2025, arXiv:2503.14476.) L = generated tokens of the row.
-
-    Shapes: num_generated [B] int -> [B] float.
+    DAPO eq. 13; L = num_generated [B], the generated tokens of the row.
     Example: max_length 20, cache_length 4, L [16, 18, 20, 25] -> [0., -0.5, -1., -1.].
-    Empty input ([0]) -> [0]; L = 0 (zero-length completion) -> 0.
     """
     if not 0 < cache_length <= max_length:
         raise ValueError(
@@ -100,15 +85,11 @@ def overlong_penalty(num_generated: Tensor, max_length: int, cache_length: int) 
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy of each next-token distribution, [B, T, V] logits -> [B, T]:
-    H = logsumexp(z) - sum_v p_v z_v.
+    """Entropy of each next-token distribution, H = logsumexp(z) - sum_v p_v z_v [B, T].
 
-    Vocabulary entries masked with -inf logits contribute 0 (p = 0), not NaN.
-    The entropy DAPO monitors (Yu et al. 2025, arXiv:2503.14476).
-    Example: logits [[[0., 0.]]] -> [[log 2]] = [[0.6931]];
-    [[[0., -inf]]] -> [[0.]].
-    Empty input ([0, T, V], [B, 0, V]) -> [0, T] / [B, 0]; a position whose logits
-    are all -inf (or V = 0) -> 0 with zero gradient, not NaN.
+    The entropy DAPO monitors. A -inf logit adds 0, not NaN; a position whose
+    logits are all -inf (or V = 0) gives 0 with zero gradient.
+    Example: logits [[[0., 0.]]] -> [[log 2]] = [[0.6931]]; [[[0., -inf]]] -> [[0.]].
     """
     dead = ~logits.isfinite().any(-1, keepdim=True)  # every entry masked: no distribution
     logits = torch.where(dead, 0.0, logits)
@@ -119,12 +100,10 @@ def token_entropy(logits: Tensor) -> Tensor:
 
 
 def entropy_bonus(entropy: Tensor, loss_mask: Tensor, coef: float) -> Tensor:
-    """Per-token loss term -coef * H [B, T] (maximises entropy), 0 off-mask; aggregate it
-    with the policy loss. Example: H [[0.7, 0.1]], mask [[1, 0]], coef 0.01 -> [[-0.007, 0.]].
+    """Per-token loss term -coef * H [B, T], maximising entropy; aggregate it with the loss.
 
     The entropy regulariser of PPO (Schulman et al. 2017, arXiv:1707.06347, eq. 9).
-    Shapes: entropy, loss_mask [B, T] -> [B, T].
-    All-masked or empty ([0, T], [B, 0]) input -> zeros of its shape, zero gradient.
+    Example: H [[0.7, 0.1]], mask [[1, 0]], coef 0.01 -> [[-0.007, 0.]].
     """
     bonus = -coef * entropy
     return torch.where(loss_mask, bonus, torch.zeros_like(bonus))

@@ -1,10 +1,9 @@
 """Group structure of a batch of trajectory rows, and per-group statistics.
 
-A *row* is one trajectory segment (one row of the trajectory record, DESIGN §3).
-Rows with the same `prompt_id` form a *group*; rows with the same
-(`prompt_id`, `rollout_id`) are the segments of one *rollout* and share its
-reward. Group statistics count every rollout exactly once, whatever its number
-of segments, so a 4-turn failure does not outweigh a 1-turn success.
+A *row* is one trajectory segment (DESIGN §3). Rows with the same `prompt_id`
+form a *group*; rows with the same (`prompt_id`, `rollout_id`) are the segments
+of one *rollout* and share its reward. Group statistics count every rollout
+once, so a 4-turn failure does not outweigh a 1-turn success.
 
 Shape legend: N rows, R rollouts, G groups, T tokens per row.
 """
@@ -39,20 +38,13 @@ def index_rollouts(
 ) -> RolloutIndex:
     """Collapse rows to rollouts and number the groups, in order of first appearance.
 
-    Made for the Arrow columns `prompt_id`, `rollout_id` and `reward` of a record
-    batch (`batch.column("prompt_id").to_pylist()`). Row order is free: each
-    reward stays with its own row's rollout, so no reward can slide into another
-    sample's slot.
+    Row order is free: each reward stays with its own row's rollout. Example:
+    prompt_ids ["p", "p", "p", "q"], rollout_ids ["a", "a", "b", "c"], rewards
+    [1., 1., 0., 2.] -> row_rollout [0, 0, 1, 2], rollout_group [0, 0, 1],
+    rollout_rewards [1., 0., 2.], num_groups 2.
 
-    Example: prompt_ids ["p", "p", "p", "q"], rollout_ids ["a", "a", "b", "c"],
-    rewards [1., 1., 0., 2.] -> row_rollout [0, 0, 1, 2], rollout_group
-    [0, 0, 1], rollout_rewards [1., 0., 2.], num_groups 2.
-    Shapes: prompt_ids, rollout_ids, rewards [N] -> RolloutIndex (see its fields).
-    No formula or paper: Molt bookkeeping for the group statistics of GRPO-style
-    estimators (DESIGN §3). Empty input gives empty tensors and num_groups 0.
-
-    Raises ValueError when lengths differ or when segments of one rollout carry
-    different rewards.
+    Raises:
+        ValueError: lengths differ, or segments of one rollout carry different rewards.
     """
     _check_lengths(prompt_ids, rollout_ids, rewards)
     rollout_of_key: dict[tuple[str, str], int] = {}
@@ -116,18 +108,12 @@ class GroupStats:
 def group_stats(values: Tensor, group_ids: Tensor, num_groups: int) -> GroupStats:
     """Mean, std and flatness of `values` [R] per group, with `group_ids` [R] in 0..G-1.
 
-    `flat` is decided by comparing max and min, not by std == 0: in fp32 the
-    mean of seven 0.35 rewards is not exactly 0.35, so the std is not exactly
-    zero, while max == min is exact. Estimators use `flat` to return exact zeros.
         mean_g = sum_g x / n_g,  std_g = sqrt(sum_g (x - mean_g)^2 / (n_g - 1))
-    (Bessel, as GRPO in TRL and verl; Shao et al. 2024, arXiv:2402.03300).
-    Shapes: values [R], group_ids [R] -> GroupStats of [G] tensors.
-
+    (Bessel, as GRPO in TRL and verl). `flat` is max == min, since in fp32 seven
+    rewards of 0.35 have a std that is not exactly 0. A zero std has zero
+    gradient, not NaN; a group id with no member gets count 0, mean 0, std 0, flat.
     Example: values [1., 0., 0.35, 0.35], group_ids [0, 0, 1, 1] -> count [2, 2],
     mean [0.5, 0.35], std [0.7071, 0.], flat [False, True].
-    A group id with no member gets count 0, mean 0, std 0, flat True.
-    Empty input ([0] values) -> [G] such groups ([0] if G = 0). A zero std has
-    zero gradient (not NaN).
     """
     count = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
     count.index_add_(0, group_ids, torch.ones_like(values))
@@ -144,13 +130,9 @@ def group_stats(values: Tensor, group_ids: Tensor, num_groups: int) -> GroupStat
 
 
 def rows_to_tokens(row_values: Tensor, loss_mask: Tensor) -> Tensor:
-    """Spread one value per row [N] over that row's loss tokens -> [N, T].
+    """A_it = v_i if loss_mask_it else 0 [N, T]: one value per row over its loss tokens.
 
-    A_it = v_i if loss_mask_it else 0 (outcome supervision, GRPO; Shao et al.
-    2024, arXiv:2402.03300). Empty input ([0] with [0, T], or [N, 0]) -> [0, T] / [N, 0].
-    Tokens outside `loss_mask` get exactly 0, so a zero-length completion (an
-    all-false row) carries no advantage at all.
-
+    Outcome supervision (GRPO, Shao et al. 2024, arXiv:2402.03300).
     Example: row_values [0.5, -0.5], loss_mask [[1, 1, 0], [0, 0, 0]]
     -> [[0.5, 0.5, 0.], [0., 0., 0.]].
     """

@@ -9,11 +9,8 @@ With d_t = log pi(y_t) - log pi_ref(y_t) on tokens sampled from pi
 
 k3 explodes when pi puts far less mass than pi_ref on a token (d = -100 gives
 exp(100) = inf in fp32). We clamp d to +-max_log_ratio *in value only*: the
-gradient is still taken as if d were unclamped at the clamp point, i.e.
-dk/dd evaluated at the clamped d. Value and gradient stay finite, and the
-penalty keeps pulling the policy back instead of going silent.
-
-Shape legend: B rows, T tokens.
+gradient is dk/dd at the clamped d, so both stay finite and the penalty keeps
+pulling the policy back instead of going silent.
 """
 
 from __future__ import annotations
@@ -43,17 +40,12 @@ def kl_penalty(
     estimator: KLEstimator = "k3",
     max_log_ratio: float = 10.0,
 ) -> Tensor:
-    """Per-token KL(pi || pi_ref) estimate [B, T], exactly 0 (and 0 gradient) off-mask.
+    """Per-token KL(pi || pi_ref) estimate [B, T] (module docstring).
 
-    k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d with d = log pi - log pi_ref
-    (Schulman 2020, "Approximating KL Divergence"; see the module docstring).
-    Shapes: logprobs, ref_logprobs, loss_mask [B, T] -> [B, T].
     Example: logprobs [[-1.0, -100.0]], ref_logprobs [[-1.5, 0.0]], k3,
     max_log_ratio 10: d = [0.5, -100 -> -10]
     -> [[exp(-0.5) - 1 + 0.5, exp(10) - 1 - 10]] = [[0.1065, 22015.4658]],
     gradient w.r.t. logprobs [[1 - exp(-0.5), 1 - exp(10)]] = [[0.3935, -22025.4658]].
-    All-masked input gives zeros with zero gradient, even with NaN/inf off-mask;
-    empty input ([0, T], [B, 0]) keeps its shape.
     """
     if max_log_ratio <= 0:
         raise ValueError(f"max_log_ratio must be > 0; got {max_log_ratio}; hint: 10 is usual")
@@ -70,13 +62,10 @@ def kl_penalty(
 
 
 def fold_kl_into_rewards(rewards: Tensor, token_kl: Tensor, coef: float) -> Tensor:
-    """KL-in-reward: r_i - coef * sum_t kl_it, per row [B]; no gradient.
+    """KL-in-reward: r_i - coef * sum_t kl_it [B], no gradient, before advantages.
 
-    InstructGPT-style penalty (Ouyang et al. 2022, arXiv:2203.02155) applied
-    to the outcome reward before advantages are estimated.
-    Example: rewards [1.0, 0.0], token_kl [[0.1, 0.2], [0.0, 0.5]], coef 0.1
-    -> [0.97, -0.05]. A row with no valid token keeps its reward.
-    Shapes: rewards [B], token_kl [B, T] -> [B]. Empty input: [0] -> [0]; [B, 0] kl
-    -> rewards unchanged.
+    InstructGPT-style penalty (Ouyang et al. 2022, arXiv:2203.02155). A row with
+    no valid token keeps its reward. Example: rewards [1.0, 0.0], token_kl
+    [[0.1, 0.2], [0.0, 0.5]], coef 0.1 -> [0.97, -0.05].
     """
     return rewards.detach() - coef * token_kl.detach().sum(-1)

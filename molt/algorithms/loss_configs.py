@@ -1,16 +1,14 @@
 """Trainer-side configs: policy loss, off-policy correction, KL term, loss aggregation.
 
-Same pattern as advantage_configs.py: a `type: Literal[...]` tag per class,
-one method that calls the class's function, and a discriminated union per
-choice, so YAML such as
+As in advantage_configs.py, a `type` tag per class, one method that calls the
+function holding formula, paper and edge cases, and a discriminated union per choice:
 
     policy_loss: {type: ppo, clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0}
     correction: {type: icepop, low: 0.5, high: 5.0}
     kl: {estimator: k3, coef: 0.001, apply_to: loss}
     aggregation: {type: seq_mean_token_sum, normalizer: 4096}
 
-validates at load, and an unknown `type` or key fails naming the choices. Each `compute`
-has the shapes and edge cases of the function it calls (losses.py, corrections.py).
+An unknown `type` or key fails at load naming the choices.
 """
 
 from __future__ import annotations
@@ -40,11 +38,6 @@ class PPOLossConfig(FrozenConfig):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """PPO: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), optional dual clip.
-
-        Schulman et al. 2017 (arXiv:1707.06347); dual clip Ye et al. 2020
-        (arXiv:1912.09729); clip-higher DAPO (arXiv:2503.14476).
-        """
         return losses.ppo_clip_loss(
             logprobs, old_logprobs, advantages, loss_mask,
             self.clip_low, self.clip_high, self.dual_clip,
@@ -59,7 +52,6 @@ class GSPOLossConfig(FrozenConfig):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t); Zheng et al. 2025 (arXiv:2507.18071)."""
         return losses.gspo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_low, self.clip_high
         )
@@ -73,27 +65,26 @@ class CISPOLossConfig(FrozenConfig):
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """CISPO: -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi; MiniMax 2025 (arXiv:2506.13585)."""
         return losses.cispo_loss(
             logprobs, old_logprobs, advantages, loss_mask, self.clip_high, self.clip_low
         )
 
 
 class SFTLossConfig(FrozenConfig):
-    """Supervised fine-tuning (cross-entropy on demonstrations): records need no
-    rollout_logprobs or advantages; with ``correction: {type: none}`` only."""
+    """Supervised fine-tuning: records need no rollout_logprobs or advantages;
+    with ``correction: {type: none}`` only."""
 
     type: Literal["sft"] = "sft"
 
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor
     ) -> losses.PolicyLoss:
-        """SFT: -log pi(y_t) on loss_mask tokens; old_logprobs and advantages unused (losses.sft_loss)."""
         return losses.sft_loss(logprobs, loss_mask)
 
 
 PolicyLossConfig = Annotated[
-    Union[PPOLossConfig, GSPOLossConfig, CISPOLossConfig, SFTLossConfig], Field(discriminator="type")
+    Union[PPOLossConfig, GSPOLossConfig, CISPOLossConfig, SFTLossConfig],
+    Field(discriminator="type"),
 ]
 
 
@@ -103,7 +94,6 @@ class NoCorrectionConfig(FrozenConfig):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """w_t = 1 on valid tokens (on-policy; no paper)."""
         return corr.no_correction(train_logprobs, rollout_logprobs, loss_mask)
 
 
@@ -114,8 +104,6 @@ class TISConfig(FrozenConfig):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """TIS: w_t = min(exp(d_t), cap); Yao et al. 2025, "Your Efficient RL
-        Framework Secretly Brings You Off-Policy RL Training"."""
         return corr.truncated_is(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
@@ -127,7 +115,6 @@ class IcePopConfig(FrozenConfig):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """IcePop: w_t = exp(d_t) if low <= exp(d_t) <= high else 0; Ling Team 2025 (Ring-1T)."""
         return corr.icepop(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
@@ -138,8 +125,6 @@ class SequenceMISConfig(FrozenConfig):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """Seq-MIS: rho = exp(sum_t d_t), row kept with weight rho iff rho <= cap; Liu
-        et al. 2025, "When Speed Kills Stability"."""
         return corr.sequence_mis(train_logprobs, rollout_logprobs, loss_mask, self.cap)
 
 
@@ -151,8 +136,6 @@ class GeometricMISConfig(FrozenConfig):
     def compute(
         self, train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
     ) -> corr.Correction:
-        """Geo-MIS: row kept (weight 1) iff low <= exp(mean_t d_t) <= high; Liu et al.
-        2025, "When Speed Kills Stability"."""
         return corr.geometric_mis(train_logprobs, rollout_logprobs, loss_mask, self.low, self.high)
 
 
@@ -175,12 +158,6 @@ class KLConfig(FrozenConfig):
     max_log_ratio: float = Field(10.0, gt=0, description="clamp of log pi - log pi_ref, value only")
 
     def per_token(self, logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
-        """Per-token KL [B, T], not yet multiplied by coef.
-
-        k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d, d = log pi - log pi_ref (Schulman
-        2020, "Approximating KL Divergence"). [B, T] inputs -> [B, T]; all-masked or
-        empty -> zeros with zero gradient.
-        """
         return kl_penalty(logprobs, ref_logprobs, loss_mask, self.estimator, self.max_log_ratio)
 
 
@@ -194,12 +171,6 @@ class _Aggregation(FrozenConfig):
         global_num_tokens: int,
         global_num_seqs: int,
     ) -> Tensor:
-        """This micro-batch's share of the step loss; see aggregation.py.
-
-        e.g. token_mean: sum_it m_it l_it / N_tokens (DAPO, arXiv:2503.14476);
-        seq_mean_token_sum: Dr.GRPO (arXiv:2503.20783). [B, T] -> 0-dim tensor;
-        all-masked or empty ([0, T], [B, 0]) -> exactly 0 with zero gradient.
-        """
         mode = self.type  # type: ignore[attr-defined]
         normalizer = getattr(self, "normalizer", None)
         return aggregate_loss(

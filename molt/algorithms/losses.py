@@ -2,17 +2,13 @@
 
 Each loss takes the trainer's current `logprobs` [B, T] (with gradient), the
 anchor `old_logprobs` [B, T] (the rollout's logprobs, or the proximal policy's
-when the trainer recomputes them), `advantages` [B, T] and a bool `loss_mask`
-[B, T], and returns a `PolicyLoss` whose `per_token_loss` is exactly 0, with
-exactly 0 gradient, outside the mask. Reduce it with aggregation.py.
+when the trainer recomputes them), `advantages` and `loss_mask` [B, T], and
+returns a `PolicyLoss`; reduce its `per_token_loss` with aggregation.py.
 
-Masks act by selection before any exp: a masked token's log ratio is replaced by
-0, so an overflowing ratio (log ratio 89, exp = inf in fp32) on a masked token
-can produce neither a NaN value nor a NaN gradient. Valid log ratios are
-clamped to +-MAX_LOG_RATIO; beyond that the token has zero gradient, as it
-would under the clip.
-
-Shape legend: B rows, T tokens.
+A masked token's log ratio is replaced by 0 before any exp, so an overflowing
+ratio there (log ratio 89, exp = inf in fp32) cannot give a NaN value or gradient.
+Valid log ratios are clamped to +-MAX_LOG_RATIO, beyond which the token has zero
+gradient, as under the clip.
 """
 
 from __future__ import annotations
@@ -40,12 +36,9 @@ class PolicyLoss:
 
 
 def masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
-    """log pi - log pi_old on valid tokens, clamped to +-MAX_LOG_RATIO; exactly 0 elsewhere.
+    """log r_t = log pi - log pi_old [B, T], clamped to +-MAX_LOG_RATIO; gradient to logprobs only.
 
-    The log of the PPO ratio r_t (Schulman et al. 2017, arXiv:1707.06347).
-    Shapes: logprobs, old_logprobs, loss_mask [B, T] -> [B, T]; gradient flows to logprobs only.
     Example: logprobs [[-1., -inf]], old [[-1.5, -1.]], mask [[1, 0]] -> [[0.5, 0.]].
-    All-masked or empty ([0, T], [B, 0]) input -> zeros of its shape, zero gradient.
     """
     gap = torch.where(loss_mask, logprobs - old_logprobs.detach(), 0.0)
     return gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -63,7 +56,6 @@ def _check_clip(clip_low: float, clip_high: float) -> None:
 def _surrogate(
     ratio: Tensor, adv: Tensor, mask: Tensor, clip_low: float, clip_high: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Clipped surrogate -min(r A, clip(r) A) and the clip flags."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -101,8 +93,6 @@ def ppo_clip_loss(
     Example: log ratios [[0., 0.5, 0.5]], A [[1., 1., -1.]], clip 0.2/0.28,
     dual_clip 1.5: r = [1, 1.6487, 1.6487] -> loss [[-1., -1.28, 1.5]],
     clipped_high [[F, T, F]], dual_clipped [[F, F, T]].
-    All-masked input (even with NaN/inf off-mask) gives zero loss, zero gradient,
-    ratio 1 and no clip flags; empty input ([0, T], [B, 0]) keeps its shape.
     """
     _check_clip(clip_low, clip_high)
     if dual_clip is not None and dual_clip <= 1.0:
@@ -131,14 +121,11 @@ def gspo_loss(
         s_i = exp( (1/|y_i|) sum_t (log pi - log pi_old) )
         L_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
     Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071),
-    in its GSPO-token form: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], whose value
-    is s_i on every token and whose gradient is s_i * grad log pi(y_t). With
-    `seq_mean_token_mean` aggregation this is exactly GSPO.
+    GSPO-token form: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], of value s_i and
+    gradient s_i * grad log pi(y_t); exactly GSPO under `seq_mean_token_mean`.
 
     Example: one row, log ratios [[0.1, 0.3]], A 1, clip 3e-4/4e-4:
     s = exp(0.2) = 1.2214 -> clipped to 1.0004, loss [[-1.0004, -1.0004]].
-    A row with no valid token gets s = 1 and zero loss with zero gradient; empty
-    input ([0, T], [B, 0]) keeps its shape.
     """
     _check_clip(clip_low, clip_high)
     log_ratio = masked_log_ratio(logprobs, old_logprobs, loss_mask)
@@ -170,7 +157,6 @@ def cispo_loss(
     Example: log ratios [[0., 1.]], logprobs [[-1., -2.]], A 1, clip_high 0.5:
     weights [1, 1.5] (e = 2.718 capped) -> loss [[1., 3.]], gradient w.r.t.
     logprobs [[-1., -1.5]], clipped_high [[F, T]].
-    All-masked input gives zero loss and zero gradient; empty input keeps its shape.
     """
     ratio = masked_log_ratio(logprobs, old_logprobs, loss_mask).exp().detach()
     low_bound = None if clip_low is None else 1.0 - clip_low
@@ -186,11 +172,10 @@ def cispo_loss(
 def sft_loss(logprobs: Tensor, loss_mask: Tensor) -> PolicyLoss:
     """Supervised fine-tuning: the negative log-likelihood -log pi(y_t) of each demonstrated token.
 
-    Cross-entropy of the policy on the ``loss_mask`` tokens of a prompt/response record; no
-    ratio, advantage or clip (ratio 1, no flags). Aggregated like the policy losses, so
-    ``token_mean`` gives the usual mean token cross-entropy (nats).
-    Shapes: logprobs, loss_mask [B, T] -> per_token_loss [B, T], 0 off-mask.
+    No ratio, advantage or clip (ratio 1, no flags); with `token_mean` aggregation
+    it is the usual mean token cross-entropy (nats).
     Example: logprobs [[-0.5, -2.0]], mask [[1, 0]] -> per_token_loss [[0.5, 0.0]].
     """
     zeros = torch.zeros_like(loss_mask)
-    return PolicyLoss(torch.where(loss_mask, -logprobs, 0.0), torch.ones_like(logprobs).detach(), zeros, zeros, zeros)
+    ones = torch.ones_like(logprobs).detach()
+    return PolicyLoss(torch.where(loss_mask, -logprobs, 0.0), ones, zeros, zeros, zeros)

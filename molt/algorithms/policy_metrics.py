@@ -3,9 +3,7 @@
 Keys read `<quantity>/<reduction>`: `count` and `sum` add up, `mean` and
 `frac` are token-weighted means (by `tokens/count`), `max` and `min` are
 extrema. `merge_token_metrics` combines micro-batches and ranks by exactly
-these rules. Every metric of an empty input is 0.0, never NaN.
-
-Shape legend: B rows, T tokens.
+these rules.
 """
 
 from __future__ import annotations
@@ -46,18 +44,12 @@ def policy_step_metrics(
 
     Always: tokens/count, advantage/{mean,min,max,zero_frac}. With
     `policy_loss`: clip/{low_frac,high_frac,dual_frac}, ratio/{mean,max},
-    ppo_kl/mean (k3 of the policy ratio; 0 on-policy). With `correction`:
-    is/masked_frac (valid tokens it dropped), is/weight_mean. With both
-    logprobs: logprob_diff/{abs_mean,abs_max} of train minus rollout. With
-    `token_kl`: kl/mean. With `entropy`: entropy/mean.
-
-    Formulas: x/mean = sum_t m_t x_t / max(sum_t m_t, 1); ppo_kl = r - 1 - log r
-    (k3, Schulman 2020 "Approximating KL Divergence"); clip flags from losses.py (PPO,
-    Schulman et al. 2017, arXiv:1707.06347). Shapes: every tensor [B, T] -> dict of floats.
-
+    ppo_kl/mean = mean of r - 1 - log r (k3). With `correction`: is/masked_frac
+    (valid tokens it dropped), is/weight_mean. With both logprobs:
+    logprob_diff/{abs_mean,abs_max}. With `token_kl`: kl/mean. With `entropy`:
+    entropy/mean. x/mean = sum_t m_t x_t / max(sum_t m_t, 1).
     Example: on the first on-policy step (train == rollout logprobs) every
     ratio is 1, so clip/*_frac = 0, ppo_kl/mean = 0, logprob_diff/abs_max = 0.
-    All-masked or empty ([0, T], [B, 0]) input -> every metric 0.0, never NaN.
     """
     mask = loss_mask
     out = {"tokens/count": float(mask.sum())}
@@ -96,14 +88,12 @@ def _ratio_metrics(policy_loss: PolicyLoss, mask: Tensor) -> dict[str, float]:
 
 
 def merge_token_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Combine `policy_step_metrics` of several micro-batches or ranks by each key's reduction.
+    """Combine `policy_step_metrics` of micro-batches or ranks by each key's reduction.
 
+    mean/frac: sum_k n_k x_k / max(sum_k n_k, 1), n_k = tokens/count; [] -> {}.
     Example: [{"tokens/count": 1, "kl/mean": 0.2, "ratio/max": 1.1},
               {"tokens/count": 3, "kl/mean": 0.6, "ratio/max": 1.3}]
     -> {"tokens/count": 4, "kl/mean": 0.5, "ratio/max": 1.3}.
-    Formula: count/sum add, max/min take extrema, mean/frac sum_k n_k x_k / max(sum_k n_k, 1)
-    with n_k = tokens/count (no paper: Molt's reduction rules). Shapes: list of dicts -> dict.
-    Empty list -> {}; parts with 0 tokens -> means 0.0, not NaN.
     """
     weights = [part["tokens/count"] for part in parts]
     total = sum(weights)
@@ -130,19 +120,12 @@ def group_metrics(
 ) -> dict[str, float]:
     """Rollout- and group-level diagnostics of an advantage batch (each rollout counted once).
 
-    Keys: rollouts/count, groups/count, reward/{mean,std} over rollouts,
-    rollouts/truncated_frac (a rollout is truncated if any of its rows
-    finished with "length"), groups/flat_frac (all rewards equal: zero
-    advantage), groups/all_truncated_frac (every rollout of the group
-    truncated), and with `row_advantages` [N] advantage/{std,abs_max}.
-
-    Formulas: reward/std Bessel over rollouts; groups/flat_frac = flat groups / G
-    (the zero-advantage groups of GRPO and DAPO, arXiv:2503.14476).
-    Shapes: prompt_ids, rollout_ids, rewards, finish_reasons [N], row_advantages [N].
-
+    Keys: rollouts/count, groups/count, reward/{mean,std (Bessel)},
+    rollouts/truncated_frac (any row finished with "length"), groups/flat_frac,
+    groups/all_truncated_frac (every rollout truncated), and with
+    `row_advantages` [N] advantage/{std,abs_max}. Inputs are the batch's N rows.
     Example: one group of four rollouts, rewards [1, 1, 1, 1], all "length"
     -> groups/flat_frac 1.0, groups/all_truncated_frac 1.0.
-    Empty input (N = 0) -> every metric 0.0, never NaN.
     """
     index = index_rollouts(prompt_ids, rollout_ids, rewards)
     truncated = _truncated_rollouts(index, finish_reasons)  # [R] bool
@@ -167,7 +150,7 @@ def group_metrics(
 
 
 def _truncated_rollouts(index: RolloutIndex, finish_reasons: Sequence[str]) -> Tensor:
-    """[R] bool: the rollout has a row that finished with "length"."""
+    """[R] bool: a row of the rollout finished with "length"."""
     if len(finish_reasons) != index.row_rollout.numel():
         raise ValueError(
             f"finish_reasons must have one entry per row; got {len(finish_reasons)} for "

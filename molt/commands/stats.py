@@ -1,22 +1,19 @@
-"""Statistics over per-seed results, for `molt sweep` and `molt compare A B`.
+"""Statistics over per-seed results (one float per seed), for `molt sweep` and `molt compare`.
 
-Every function takes plain lists of floats, one per seed; distributions come from scipy.stats.
-The questions each test answers, for arms A and B on one metric (difference d = mean B - mean A):
-  - Welch's t-test (Welch 1947): is d non-zero? It does not assume equal variances.
-    `p_different` is its two-sided p-value; `welch_ci` its interval of d.
-  - Percentile bootstrap (Efron & Tibshirani 1993, ch. 13): an interval of d that assumes no
-    normality; with few seeds it is too narrow (it cannot see spread the seeds did not show).
-  - TOST, two one-sided tests (Schuirmann 1987): is d inside (-margin, +margin)? Each side is a
-    one-sided Welch test; `p_equivalent` is the larger p-value. Failing to show a difference is not
-    evidence of equivalence; this test is.
+For arms A and B on one metric, d = mean B - mean A:
+  - Welch's t-test (Welch 1947), unequal variances: `p_different` (two-sided), `welch_ci`.
+  - Percentile bootstrap of d (Efron & Tibshirani 1993, ch. 13): no normality assumed, but too
+    narrow with few seeds.
+  - TOST, two one-sided Welch tests (Schuirmann 1987): is d inside (-margin, +margin)?
+    `p_equivalent` is the larger p-value (failing to show a difference is not equivalence).
 
 Worked example, A = [0.70, 0.74, 0.78], B = [0.80, 0.82, 0.84], confidence 0.95, margin 0.1:
-    means 0.74 and 0.82, std 0.04 and 0.02, so d = 0.08
-    Welch t = 0.08 / sqrt(0.04**2/3 + 0.02**2/3) = sqrt(9.6) = 3.0984 on df = 50/17 = 2.9412
+    means 0.74 and 0.82, std 0.04 and 0.02, d = 0.08
+    Welch t = 0.08 / sqrt(0.04**2/3 + 0.02**2/3) = 3.0984 on df = 50/17 = 2.9412
     p_different 0.05479, Welch CI [-0.003108, 0.1631], bootstrap CI (seed 0) [0.04, 0.12]
-    TOST p-values 0.003229 (d > -0.1) and 0.2480 (d < 0.1), so p_equivalent 0.2480
-    verdict inconclusive; sigma = sqrt((0.04**2 + 0.02**2) / 2) = 0.03162, and showing
-    equivalence needs 2 * (1.6449 + 1.2816)**2 * 0.001 / (0.1 - 0.08)**2 = 42.8 -> 43 seeds per arm.
+    TOST p-values 0.003229 (d > -0.1) and 0.2480 (d < 0.1): p_equivalent 0.2480, inconclusive;
+    sigma = sqrt((0.04**2 + 0.02**2) / 2), equivalence needs
+    2 * (1.6449 + 1.2816)**2 * 0.001 / (0.1 - 0.08)**2 = 42.8 -> 43 seeds per arm.
 """
 
 from __future__ import annotations
@@ -33,19 +30,23 @@ Interval = tuple[float, float]
 
 
 def summarize(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any]:
-    """n, mean, std (ddof=1), sem = std / sqrt(n) and the Student t interval of the mean.
+    """n, mean, std (ddof=1), sem = std / sqrt(n) and ci = mean -+ t_{(1+confidence)/2, n-1} * sem.
 
-    ci = mean -+ t_{(1+confidence)/2, n-1} * sem. std, sem and ci are None for n < 2;
-    when all values are equal std and sem are exactly 0 and ci is [mean, mean].
-    Example: [1, 2, 3, 4] -> mean 2.5, std sqrt(5/3) = 1.291, ci 2.5 -+ 3.1824 * 0.6455 = [0.4457, 4.5543].
+    std, sem and ci are None for n < 2; equal values give std = sem = 0 and ci [mean, mean].
+    Example: [1, 2, 3, 4] -> mean 2.5, std 1.291, ci 2.5 -+ 3.1824 * 0.6455 = [0.4457, 4.5543].
+
+    Raises:
+        ValueError: no values, a NaN, or ``confidence`` outside (0, 1).
     """
     if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie strictly between 0 and 1; got {confidence}; hint: use 0.95")
+        raise ValueError(f"confidence must lie strictly between 0 and 1; got {confidence}; "
+                         "hint: use 0.95")
     if len(values) == 0:
         raise ValueError("values is empty; got []; hint: give one value per seed")
     for i, value in enumerate(values):
         if math.isnan(value):
-            raise ValueError(f"values[{i}] is NaN; got {list(values)}; hint: drop or rerun the failed seed")
+            raise ValueError(f"values[{i}] is NaN; got {list(values)}; hint: drop or rerun the "
+                             "failed seed")
     n = len(values)
     flat = min(values) == max(values)  # mean and std of equal floats can round away from exact
     mean = float(values[0]) if flat else float(np.mean(values))
@@ -53,13 +54,14 @@ def summarize(values: Sequence[float], confidence: float = 0.95) -> dict[str, An
         return {"n": n, "mean": mean, "std": None, "sem": None, "ci": None, "values": list(values)}
     std = 0.0 if flat else float(np.std(values, ddof=1))
     sem = std / math.sqrt(n)
-    ci = [mean, mean] if flat else [float(x) for x in stats.t.interval(confidence, n - 1, loc=mean, scale=sem)]
+    ci = [mean, mean] if flat else [float(x) for x in stats.t.interval(confidence, n - 1, loc=mean,
+                                                                       scale=sem)]
     return {"n": n, "mean": mean, "std": std, "sem": sem, "ci": ci, "values": list(values)}
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """The result of `compare`: arm summaries, d = mean B - mean A, intervals, p-values and verdict."""
+    """The result of `compare`: arm summaries, d = mean B - mean A, intervals, p-values, verdict."""
 
     metric: str
     a: dict[str, Any]
@@ -75,29 +77,31 @@ class Comparison:
     confidence: float
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, with intervals as lists: ready for json.dumps."""
+        """Every field, intervals as lists (for json.dumps)."""
         out = dict(self.__dict__)
         for key in ("welch_ci", "bootstrap_ci"):
             out[key] = None if out[key] is None else list(out[key])
         return out
 
     def describe(self) -> str:
-        """A few lines for people: each arm, the difference with both intervals, p-values, verdict."""
+        """The arms, the difference, the intervals, the p-values and the verdict, for people."""
         level = f"{self.confidence:.0%} CI"
         lines = [f"{self.metric}"]
         for name, arm in (("A", self.a), ("B", self.b)):
-            lines.append(f"  {name}: n={arm['n']}  mean {arm['mean']:.4g}  {level} {_fmt(arm['ci'])}")
-        lines.append(
-            f"  B - A: {self.difference:+.4g}  Welch {level} {_fmt(self.welch_ci)}"
-            f"  bootstrap {level} {_fmt(self.bootstrap_ci)}"
-        )
+            lines.append(f"  {name}: n={arm['n']}  mean {arm['mean']:.4g}  {level} "
+                         f"{_fmt(arm['ci'])}")
+        lines.append(f"  B - A: {self.difference:+.4g}  Welch {level} {_fmt(self.welch_ci)}"
+                     f"  bootstrap {level} {_fmt(self.bootstrap_ci)}")
         p_line = f"  p(different) {self.p_different:.4g} (Welch)"
         if self.margin is not None:
             p_line += f"  p(equivalent within ±{self.margin:g}) {self.p_equivalent:.4g} (TOST)"
         lines.append(p_line)
-        verdict = f"equivalent within ±{self.margin:g}" if self.verdict == "equivalent" else self.verdict
+        verdict = self.verdict
+        if verdict == "equivalent":
+            verdict = f"equivalent within ±{self.margin:g}"
         if self.seeds_needed is not None:
-            verdict += f"; about {self.seeds_needed} seeds per arm would settle it at the observed spread"
+            verdict += (f"; about {self.seeds_needed} seeds per arm would settle it at the "
+                        "observed spread")
         lines.append(f"  verdict: {verdict}")
         return "\n".join(lines)
 
@@ -117,27 +121,26 @@ def _tost(a: np.ndarray, b: np.ndarray, margin: float) -> float:
     return float(max(p_low, p_high))
 
 
-def _welch_bootstrap(a: np.ndarray, b: np.ndarray, confidence: float, seed: int) -> tuple[float, Interval, Interval]:
+def _welch_bootstrap(a: np.ndarray, b: np.ndarray, confidence: float,
+                     seed: int) -> tuple[float, Interval, Interval]:
     """(Welch two-sided p-value, Welch interval of d, percentile-bootstrap interval of d)."""
     welch = stats.ttest_ind(b, a, equal_var=False)
     low, high = welch.confidence_interval(confidence)
-    boot = stats.bootstrap(
-        (b, a), _mean_difference, vectorized=True, n_resamples=9999, method="percentile",
-        confidence_level=confidence, rng=np.random.default_rng(seed),
-    ).confidence_interval
+    boot = stats.bootstrap((b, a), _mean_difference, vectorized=True, n_resamples=9999,
+                           method="percentile", confidence_level=confidence,
+                           rng=np.random.default_rng(seed)).confidence_interval
     return float(welch.pvalue), (float(low), float(high)), (float(boot.low), float(boot.high))
 
 
-def seeds_needed(difference: float, sigma: float, margin: float | None, confidence: float) -> int | None:
-    """Seeds per arm for 80% power at the observed spread; a normal approximation.
+def seeds_needed(difference: float, sigma: float, margin: float | None,
+                 confidence: float) -> int | None:
+    """Seeds per arm for 80% power at the observed spread, by the normal approximation of Chow,
+    Shao & Wang, "Sample Size Calculations in Clinical Research" (2008), ch. 3.2; a floor.
 
-    Chow, Shao & Wang, "Sample Size Calculations in Clinical Research" (2008), ch. 3.2.
-    With alpha = 1 - confidence, beta = 0.2, z_p = norm.ppf(p), d = difference:
-      equivalence (margin given, |d| < margin): n = 2 (z_{1-alpha} + z_{1-beta/2})^2 sigma^2 / (margin - |d|)^2
-      difference (otherwise, d != 0):            n = 2 (z_{1-alpha/2} + z_{1-beta})^2 sigma^2 / d^2
-    rounded up; None when sigma is 0 or neither applies. Normal quantiles ignore the t tails,
-    so for a handful of seeds this is a floor, not a promise.
-    Example: d 0.08, sigma sqrt(0.001), margin 0.1 -> 2 * (1.6449 + 1.2816)^2 * 0.001 / 0.02^2 = 42.8 -> 43.
+    With alpha = 1 - confidence, beta = 0.2, z_p = norm.ppf(p), d = |difference|, rounded up:
+      equivalence (margin, d < margin): 2 (z_{1-alpha} + z_{1-beta/2})^2 sigma^2 / (margin - d)^2
+      difference (otherwise):           2 (z_{1-alpha/2} + z_{1-beta})^2 sigma^2 / d^2
+    None when sigma or the gap is 0.
     """
     alpha, beta, d = 1.0 - confidence, 1.0 - POWER, abs(difference)
     if margin is not None and d < margin:
@@ -147,24 +150,25 @@ def seeds_needed(difference: float, sigma: float, margin: float | None, confiden
     return None if sigma == 0.0 or gap == 0.0 else math.ceil(2 * z**2 * sigma**2 / gap**2)
 
 
-def compare(
-    a: Sequence[float], b: Sequence[float], metric: str,
-    margin: float | None = None, confidence: float = 0.95, seed: int = 0,
-) -> Comparison:
-    """Compare arm B with arm A on one metric: Welch, bootstrap and (with a margin) TOST; see the module doc.
+def compare(a: Sequence[float], b: Sequence[float], metric: str, margin: float | None = None,
+            confidence: float = 0.95, seed: int = 0) -> Comparison:
+    """Compare arm B with arm A on one metric: Welch, bootstrap and (with a margin) TOST.
 
-    verdict: "equivalent" if a margin is given and p_equivalent < alpha = 1 - confidence, else
-    "different" if p_different < alpha, else "inconclusive" (then `seeds_needed` is set).
-    Equivalence is checked first: a significant difference inside the margin is still equivalent.
-    When neither arm has any spread the t-tests are undefined (scipy gives NaN); we use the limit:
-    p_different = 1.0 if the means are equal else 0.0, p_equivalent = 0.0 if |d| < margin else 1.0,
-    and both intervals are [d, d]. The bootstrap (9999 resamples) is deterministic for a seed.
+    verdict: "equivalent" if p_equivalent < alpha = 1 - confidence, else "different" if
+    p_different < alpha, else "inconclusive" (with `seeds_needed`). With no spread in either arm
+    the limits are used: p_different 1.0 if d == 0 else 0.0, p_equivalent 0.0 if |d| < margin
+    else 1.0, both intervals [d, d]. The bootstrap is deterministic for a seed.
+
+    Raises:
+        ValueError: an arm with fewer than 2 values, or a margin not above 0.
     """
     for name, arm in (("A", a), ("B", b)):
         if len(arm) < 2:
-            raise ValueError(f"arm {name} of '{metric}' needs at least 2 values; got {list(arm)}; hint: run more seeds")
+            raise ValueError(f"arm {name} of '{metric}' needs at least 2 values; got {list(arm)}; "
+                             "hint: run more seeds")
     if margin is not None and not margin > 0:
-        raise ValueError(f"margin must be positive; got {margin}; hint: the smallest difference that matters")
+        raise ValueError(f"margin must be positive; got {margin}; hint: the smallest difference "
+                         "that matters")
     sum_a, sum_b = summarize(a, confidence), summarize(b, confidence)
     d = sum_b["mean"] - sum_a["mean"]
     if sum_a["std"] == 0.0 and sum_b["std"] == 0.0:
@@ -179,21 +183,17 @@ def compare(
     verdict = "equivalent" if equivalent else "different" if p_different < alpha else "inconclusive"
     sigma = math.sqrt((sum_a["std"] ** 2 + sum_b["std"] ** 2) / 2)
     needed = seeds_needed(d, sigma, margin, confidence) if verdict == "inconclusive" else None
-    if needed is not None:  # the seeds in hand did not settle it: more than that, whatever the floor says
+    if needed is not None:  # the seeds in hand did not settle it: more than those
         needed = max(needed, sum_a["n"] + 1, sum_b["n"] + 1)
-    return Comparison(
-        metric, sum_a, sum_b, d, welch_ci, bootstrap_ci, p_different, margin, p_equivalent, verdict, needed, confidence
-    )
+    return Comparison(metric, sum_a, sum_b, d, welch_ci, bootstrap_ci, p_different, margin,
+                      p_equivalent, verdict, needed, confidence)
 
 
-def first_reach(
-    points: Sequence[tuple[float, float, float | None]], threshold: float, lower_bound: bool = False
-) -> float | None:
-    """Time of the first (time_s, value, stderr) point with value >= threshold; None if never.
-
-    With lower_bound the point must clear it by its stderr: value - stderr >= threshold
-    (a None stderr counts as 0). Points are in time order.
-    Example: [(10, 0.5, 0.1), (20, 0.7, 0.1), (30, 0.8, 0.05)], threshold 0.7 -> 20; lower bound -> 30.
+def first_reach(points: Sequence[tuple[float, float, float | None]], threshold: float,
+                lower_bound: bool = False) -> float | None:
+    """Time of the first (time_s, value, stderr) point, in time order, with value >= threshold
+    (with lower_bound: value - stderr, a None stderr as 0); None if never. Example:
+    [(10, 0.5, 0.1), (20, 0.7, 0.1), (30, 0.8, 0.05)], threshold 0.7 -> 20; lower bound 30.
     """
     for time_s, value, stderr in points:
         margin = (stderr or 0.0) if lower_bound else 0.0

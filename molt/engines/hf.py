@@ -1,27 +1,17 @@
 """An in-process transformers engine: the exact, seedable test double.
 
-It decodes each request token by token with a KV cache, one forward at a time
-(requests interleave between decode steps; nothing is batched), in fp32 by
-default, so its recorded logprobs are those of the distribution it sampled:
+It decodes each request token by token with a KV cache, one forward at a time (requests
+interleave between decode steps; nothing is batched), in fp32 by default:
 
-    logp = log_softmax(logits / temperature)      # [V]
+    logp = log_softmax(logits / temperature)      # [V]; temperature 0: argmax, log_softmax(logits)
     token ~ Categorical(exp(logp)),  logprob = logp[token]
 
-With temperature 0 it takes argmax(logits) and records log_softmax(logits)[token].
+A model with multimodal RoPE (Qwen-VL) gets explicit position ids per request: the prompt's
+(t, h, w) positions as the trainer computes them, then each token's cache position plus the
+prompt's offset (max position + 1 - P); the model's own cached offset may be another request's.
 
-Vision-language folders (molt.models.images) load as ``AutoModelForImageTextToText``; a
-request's images enter its first forward through the model's image processor. A model
-with multimodal RoPE (Qwen-VL) gets explicit position ids on every forward: the prompt's
-(t, h, w) positions (molt.models.images.mrope_positions, as the trainer computes them) and,
-for each later token, its cache position plus the prompt's offset (max position + 1 - P),
-kept per request; the model's own cached offset would be another request's when
-requests interleave.
-
-Seeding: a request with `seed=s` (else the engine's `seed`, the run's: molt.runtime.seeds)
-samples from a torch generator seeded with molt.runtime.seeds.derive_seed(s, request_id),
-so the same (seed, request_id) reproduces the same completion across runs, and n
-samples of one prompt sent with one seed and ids "p/0".."p/3" draw four independent
-streams; with neither seed, fresh randomness.
+A request samples from a generator seeded with derive_seed(its seed, else the engine's,
+request_id): the same (seed, request_id) reproduces the same completion.
 """
 
 from __future__ import annotations
@@ -36,18 +26,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
-from molt.engines.base import Completion, Engine, FinishReason, SamplingParams, check_prompt
+from molt.engines.base import Completion, Engine, SamplingParams, check_prompt
 from molt.engines.refit import check_weights_file, read_adapter
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
 from molt.models.images import VisionProcessor, mrope_positions
-from molt.refit import PEFT_PREFIX, tensor_digest
+from molt.refit import PEFT_PREFIX, state_digests, tensor_digest
 from molt.runtime.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 
 
 def eos_token_ids(model: PreTrainedModel) -> set[int]:
-    """The model's end-of-sequence ids from its generation config or config."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
@@ -66,7 +55,7 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator
     past: Any = None
-    vision_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # for the first forward
+    vision_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # 1st forward
     rope: torch.Tensor | None = None  # [3, P] multimodal RoPE positions of the prompt (Qwen-VL)
     aborted: bool = False
     routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [N, L, k] per forward
@@ -75,18 +64,9 @@ class _Request:
 
 
 class TransformersEngine(Engine):
-    """A Hugging Face causal LM sampled in this process (see module docstring).
-
-    Args:
-        model: a model folder or hub id, or an already built causal LM.
-        dtype: dtype to load a folder in; fp32 keeps logprobs exact.
-        device: torch device to run on.
-        policy_version: version of the initial weights.
-        record_routing: record the experts each MoE router chose for every token it
-            processed (forward hooks on the routers, molt.train.moe.routers) as
-            `Completion.routed_experts`; ValueError for a dense model.
-        seed: the seed of requests that bring none (the run's: molt.runtime.seeds); None = fresh randomness.
-    """
+    """A Hugging Face causal LM (a folder, hub id or built model) sampled in this process;
+    ``record_routing``: record `Completion.routed_experts` (ValueError for a dense model);
+    ``seed``: of requests that bring none (None: fresh randomness)."""
 
     def __init__(self, model: str | PreTrainedModel, *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", policy_version: int = 0, record_routing: bool = False,
@@ -97,7 +77,7 @@ class TransformersEngine(Engine):
         if isinstance(model, str):
             auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
             model = auto.from_pretrained(model, dtype=dtype)
-        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)  # Qwen-VL
+        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
         self._model: PreTrainedModel | None = model.to(device).eval()  # type: ignore[arg-type]
         self._device = torch.device(device)
         self._eos_ids = eos_token_ids(model)
@@ -115,20 +95,15 @@ class TransformersEngine(Engine):
 
             found = routers(model)
             if not found:
-                raise ValueError("record_routing: the model has no mixture-of-experts router; hint: "
-                                 "routing replay needs a MoE policy")
+                raise ValueError("record_routing: the model has no mixture-of-experts router; "
+                                 "hint: routing replay needs a MoE policy")
             self.routing_shape = (len(found), int(found[0].top_k))  # type: ignore[arg-type]
             for router in found:
-                router.register_forward_hook(lambda module, args, output: self._routed.append(output[2]))
+                router.register_forward_hook(
+                    lambda module, args, output: self._routed.append(output[2]))
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams, images: Sequence[bytes] = ()) -> Completion:
-        """Sample one completion token by token (each one an output: `Engine.note_output`); see `Engine.generate`.
-
-        Raises:
-            ValueError: also for ``images`` given to a text-only model or not matching the prompt's
-                image tokens (molt.models.images.VisionProcessor.check).
-        """
         check_prompt(request_id, prompt_token_ids)
         self._check_open()
         if request_id in self._requests:
@@ -143,18 +118,17 @@ class TransformersEngine(Engine):
         finally:
             del self._requests[request_id]
         if self.routing_shape is not None:  # tokens never fed to a forward (the last) stay -1
-            routed = torch.full((len(prompt_token_ids) + len(completion.token_ids), *self.routing_shape), -1,
-                                dtype=torch.int16)
+            num_tokens = len(prompt_token_ids) + len(completion.token_ids)
+            routed = torch.full((num_tokens, *self.routing_shape), -1, dtype=torch.int16)
             done = torch.cat(request.routing) if request.routing else routed[:0]
             routed[:len(done)] = done
             completion.routed_experts = routed.numpy()
         return completion
 
     def _prepare_images(self, request: _Request, request_id: str, images: Sequence[bytes]) -> None:
-        """Check a request's image tokens, make its image inputs and (Qwen-VL) its prompt's positions."""
         if self.vision is None:
-            raise ValueError(f"request {request_id!r}: {len(images)} image(s) for a text-only model; hint: use a "
-                             "vision-language model")
+            raise ValueError(f"request {request_id!r}: {len(images)} image(s) for a text-only "
+                             "model; hint: use a vision-language model")
         self.vision.check(request.prompt_token_ids, images, request_id)
         request.vision_inputs = self.vision.model_inputs(images) if images else {}
         if self._rope_index is not None:
@@ -163,7 +137,6 @@ class TransformersEngine(Engine):
                                            self.vision.image_token_id, grids)
 
     async def _decode_loop(self, request: _Request) -> Completion:
-        """Run decode steps until stop, length or abort; return the completion."""
         completion = request.completion
         stop_ids = self._eos_ids | set(request.params.stop_token_ids)
         while True:
@@ -180,9 +153,8 @@ class TransformersEngine(Engine):
             completion.logprobs.append(logprob)
             completion.policy_versions.append(version)
             self.note_output()
-            reason = _finish_reason(token, len(completion.token_ids), stop_ids, request.params)
-            if reason is not None:
-                completion.finish_reason = reason
+            if token in stop_ids or len(completion.token_ids) >= request.params.max_new_tokens:
+                completion.finish_reason = "stop" if token in stop_ids else "length"
                 return completion
 
     @torch.inference_mode()
@@ -192,23 +164,24 @@ class TransformersEngine(Engine):
         assert model is not None, "closed engines end requests before stepping"
         new_ids = request.completion.token_ids[-1:] or request.prompt_token_ids
         input_ids = torch.tensor([new_ids], device=self._device)  # [1, N]
-        kwargs: dict[str, Any] = {name: t.to(self._device) for name, t in request.vision_inputs.items()}
+        kwargs: dict[str, Any] = {k: t.to(self._device) for k, t in request.vision_inputs.items()}
         request.vision_inputs = {}  # the images enter the first forward only
         if request.rope is not None:  # [4, 1, N]: cache positions over (t, h, w) positions
-            start = len(request.prompt_token_ids) + len(request.completion.token_ids) - len(new_ids)
+            num_prompt = len(request.prompt_token_ids)
+            start = num_prompt + len(request.completion.token_ids) - len(new_ids)
             text = torch.arange(start, start + len(new_ids))[None]  # [1, N]
-            rope = request.rope if start == 0 else text + (request.rope.max() + 1 - len(request.prompt_token_ids))
+            rope = request.rope if start == 0 else text + (request.rope.max() + 1 - num_prompt)
             kwargs["position_ids"] = torch.cat([text, rope.expand(3, -1)])[:, None].to(self._device)
         self._routed = []
         out = model(input_ids=input_ids, past_key_values=request.past, use_cache=True, **kwargs)
         request.past = out.past_key_values
         if self._routed:
-            request.routing.append(torch.stack(self._routed, dim=1).to(torch.int16).cpu())  # [N, L, k]
+            routed = torch.stack(self._routed, dim=1)  # [N, L, k]
+            request.routing.append(routed.to(torch.int16).cpu())
         logits = out.logits[0, -1].float()  # [V]
         return sample_token(logits, request.params, request.generator)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """[P-1] raw logprobs of `token_ids` [P] given their prefixes: one full fp32 forward."""
         check_prompt("prompt_logprobs", token_ids)
         self._check_open()
         async with self._step_lock:  # not during a weight load
@@ -216,7 +189,6 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def _prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log_softmax(logits[:-1]) at the next tokens, for `prompt_logprobs`."""
         model = self._model
         assert model is not None, "checked open before"
         input_ids = torch.tensor([token_ids], device=self._device)  # [1, P]
@@ -224,9 +196,7 @@ class TransformersEngine(Engine):
         return torch.log_softmax(logits, -1).gather(-1, input_ids[0, 1:, None])[:, 0].tolist()
 
     def source_weight_digests(self) -> dict[str, str]:
-        """Digests of the model's current weights under their checkpoint names and layout, as the trainer
-        exports them (transformers' ``revert_weight_conversion``, then the folder's `checkpoint_layout`);
-        before a load: the weights it started with."""
+        """Digests of the current weights, checkpoint-named and -laid-out as the trainer's."""
         from transformers.core_model_loading import revert_weight_conversion
 
         assert self._model is not None, "engine is closed"
@@ -235,7 +205,6 @@ class TransformersEngine(Engine):
                 for name, t in state.items()}
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        """A generator seeded from (the request's seed, else the engine's; request_id), else freshly."""
         generator = torch.Generator(device=self._device)
         seed = self._seed if params.seed is None else params.seed
         if seed is None:
@@ -245,30 +214,23 @@ class TransformersEngine(Engine):
         return generator
 
     async def pause(self) -> None:
-        """Hold every request before its next decode step; waits for the one running."""
         self._unpaused.clear()
         async with self._step_lock:
             pass
 
     async def resume(self) -> None:
-        """Let held requests continue."""
         self._unpaused.set()
 
     async def abort(self, request_id: str) -> None:
-        """Mark a request aborted; it returns before its next decode step."""
         request = self._requests.get(request_id)
         if request is not None:
             request.aborted = True
 
     async def load_weights(self, path: str, version: int) -> None:
-        """Copy HF-named weights into the model between two decode steps.
-
-        In-flight requests keep their KV cache (computed by the old weights) and
-        continue on the new weights, as vLLM does.
+        """Requests in flight keep their KV cache and continue on the new weights, as on vLLM.
 
         Raises:
-            ValueError: if the file is missing, or its names do not cover the
-                model's parameters (tied weights excepted).
+            ValueError: the file is missing, or does not cover the model's untied parameters.
         """
         self._check_open()
         check_weights_file(path)
@@ -276,15 +238,12 @@ class TransformersEngine(Engine):
         async with self._step_lock:
             await asyncio.to_thread(self._copy_weights, state)
             self._version = version
-        self.last_weight_digests = {name: tensor_digest(t) for name, t in state.items()}
+        self.last_weight_digests = state_digests(state)
         self.last_probe = None  # it described the previous weights
         logger.info("loaded weights version %d from %s", version, path)
 
     async def load_adapter(self, folder: str, version: int) -> None:
-        """Serve ``folder``'s LoRA adapter (peft's format) as version ``version`` (`Engine.load_adapter`):
-        peft's LoRA layers go into the model at the first load (``inject_adapter_in_model``), each load
-        copies the adapter's tensors into them between two decode steps; in-flight requests continue on
-        the new adapter, as on new weights (`load_weights`).
+        """Inject peft's LoRA layers at the first load; copy the adapter into them.
 
         Raises:
             ValueError: not an adapter folder, or a tensor that names no adapter of the model.
@@ -299,26 +258,23 @@ class TransformersEngine(Engine):
                 inject_adapter_in_model(LoraConfig.from_pretrained(folder), self._model)
                 self._adapted = True
             params = dict(self._model.named_parameters())
-            names = {k: k.removeprefix(PEFT_PREFIX).replace(".weight", ".default.weight") for k in tensors}
+            names = {k: k.removeprefix(PEFT_PREFIX).replace(".weight", ".default.weight")
+                     for k in tensors}
             if unknown := sorted(k for k, name in names.items() if name not in params):
-                raise ValueError(f"adapter {folder}: {len(unknown)} tensors name no adapter of the model, e.g. "
-                                 f"{unknown[:3]}; hint: the engine's model must be the trainer's base")
+                raise ValueError(f"adapter {folder}: {len(unknown)} tensors name no adapter of the "
+                                 f"model, e.g. {unknown[:3]}; hint: the engine's model must be the "
+                                 "trainer's base")
             with torch.no_grad():
                 for k, name in names.items():
                     params[name].copy_(tensors[k])
             self._version = version
-        self.last_weight_digests = {name: tensor_digest(t) for name, t in tensors.items()}
+        self.last_weight_digests = state_digests(tensors)
         self.last_probe = None
         logger.info("loaded the adapter of version %d from %s", version, folder)
 
     def _copy_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load checkpoint-named (and -laid-out) weights through transformers' own loader, which
-        converts them to the model's layout (e.g. a MoE's per-expert or transposed experts into its
-        fused ones) as ``from_pretrained`` does; tied weights are tied again.
-
-        Raises:
-            ValueError: unknown names, wrong shapes, or untied parameters the file lacks.
-        """
+        """Load a checkpoint through transformers' loader (converting it as ``from_pretrained``
+        does). Raises ValueError for unknown names, wrong shapes, or untied parameters it lacks."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
@@ -328,32 +284,34 @@ class TransformersEngine(Engine):
         dtype = next(model.parameters()).dtype
         mapping: Any = get_model_conversion_mapping(model, None, None)  # converters and renamings
         config = LoadStateDictConfig(weight_mapping=mapping)
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}  # the engine's dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         info, _ = convert_and_load_state_dict_in_model(model, state, config)
         model.tie_weights()
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = {params[n].data_ptr() for n in params if n not in info.missing_keys}
-        untied_missing = sorted(n for n in info.missing_keys if n in params and params[n].data_ptr() not in loaded)
-        bad = {"unexpected": sorted(info.unexpected_keys), "missing": untied_missing, "wrong shapes":
-               sorted(info.mismatched_keys), "conversion errors": list(info.conversion_errors)}
+        untied_missing = sorted(n for n in info.missing_keys
+                                if n in params and params[n].data_ptr() not in loaded)
+        bad = {"unexpected": sorted(info.unexpected_keys), "missing": untied_missing,
+               "wrong shapes": sorted(info.mismatched_keys),
+               "conversion errors": list(info.conversion_errors)}
         if any(bad.values()):
-            raise ValueError(f"weights file does not match the model; got {({k: v[:5] for k, v in bad.items() if v})}; "
+            shown = {k: v[:5] for k, v in bad.items() if v}
+            raise ValueError(f"weights file does not match the model; got {shown}; "
                              "hint: export full HF-named weights of the same architecture")
 
     def close(self) -> None:
-        """Drop the model; in-flight requests end with finish_reason "abort"."""
+        """Drop the model; requests in flight end with finish_reason "abort"."""
         self._model = None
         self._unpaused.set()
 
     def _check_open(self) -> None:
-        """Raise RuntimeError if the engine is closed."""
         if self._model is None:
             raise RuntimeError("TransformersEngine is closed")
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator) -> tuple[int, float]:
-    """Sample from logits [V] (fp32); return (token id, its logprob as sampled)."""
+    """(token id, its logprob as sampled) from fp32 logits [V]."""
     if params.greedy:
         logprobs = torch.log_softmax(logits, dim=-1)
         token = int(torch.argmax(logits))
@@ -361,13 +319,3 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
         logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
         token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
     return token, float(logprobs[token])
-
-
-def _finish_reason(token: int, num_tokens: int, stop_ids: set[int],
-                   params: SamplingParams) -> FinishReason | None:
-    """'stop' on a stop id, 'length' at max_new_tokens, else None (continue)."""
-    if token in stop_ids:
-        return "stop"
-    if num_tokens >= params.max_new_tokens:
-        return "length"
-    return None

@@ -1,34 +1,16 @@
-"""NCCL refits through vLLM 0.32's weight-transfer API: the engine's receiver and worker hooks
-(the trainer's sender: molt.train.nccl_send).
+"""NCCL refits through vLLM's weight-transfer API: the engine's end (the trainer's:
+molt.train.nccl_send). Not yet run on a GPU; tests/test_gpu_refit.py runs it on CPU with a
+file-backed backend. The weight-version record is the control plane:
 
-Unverified: not yet run on a GPU; written against the installed vLLM 0.32 source
-(``vllm/distributed/weight_transfer/``, ``AsyncLLM``) and its docs page
-(https://docs.vllm.ai/en/v0.32.0/training/weight_transfer/). The engine side runs on
-CPU with a file-backed test backend through the same calls (tests/test_gpu_refit.py).
-
-The weight-version record is the control plane (molt.refit); NCCL's
-collectives make both sides meet. Version v, trainer rank 0 = NCCL rank 0:
-
-    trainer (train stage, rank 0)              engine (rollout stage, VLLMEngine)
-    1) state dict; record (digests, probe, uri, tensor_dtypes/shapes) on `weights`
-                                               2) probe before; pause (mode "keep")
-    3) NCCLSender.send: first vLLM's           3) TransferReceiver.receive: first
-       trainer_init (rendezvous), then            init_weight_transfer_engine, then watch,
+    trainer (rank 0 = NCCL rank 0)             engine (rollout stage, VLLMEngine)
+    1) record (digests, probe, uri, dtypes, shapes) on `weights`
+                                               2) probe before; pause
+    3) NCCLSender.send: trainer_init, then     3) TransferReceiver.receive: init (once), watch,
        send_weights (packed broadcast) <-->       start, update_weights, finish, unwatch
                                                4) relabel, clear prefix cache, resume; verify
 
-vLLM's trainer drives the engines through a client; here each engine acts on the
-record at its own rank offset (vLLM's trainer ships ``rank_offset=1`` to one client),
-so the client does nothing. A version no engine takes blocks the trainer in NCCL:
-`NCCLSender.send` raises after ``timeout_s``; the group is unusable after that.
-
-Verification: the backends hand the received tensors to ``self.model.load_weights``,
-looked up at each call (NCCL packed: ``post_unpack_func`` with (name, tensor) views of
-the receive buffer; unpacked and IPC alike). `MoltTransferWorkerExtension` shadows it
-on the model instance with a wrapper that digests each tensor as the loader consumes
-it (a host copy on the receive stream, then XXH3, before the buffer is reused): the
-shm path's per-tensor check, for a device-to-host copy and ~0.1 s/GB of hashing. Tied
-layers that received nothing are processed again, as in molt.engines.vllm_worker.
+vLLM hands the received tensors to ``model.load_weights``, which `MoltTransferWorkerExtension`
+shadows with a wrapper digesting each tensor as consumed: the shm path's per-tensor check.
 """
 
 from __future__ import annotations
@@ -54,33 +36,32 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 
 class TransferReceiver:
-    """The engine's end: joins the trainer's group on the first record (its first worker at NCCL
-    rank ``rank_offset``, molt.refit.rank_offset), then takes each version;
-    ``digest``: digest every received tensor (module docstring)."""
+    """Joins the trainer's group on the first record (its first worker at NCCL rank
+    ``rank_offset``), then takes each version."""
 
-    def __init__(self, rank_offset: int = 1, workers_per_engine: int = 1, digest: bool = True) -> None:
+    def __init__(self, rank_offset: int = 1, workers_per_engine: int = 1,
+                 digest: bool = True) -> None:
         self.rank_offset = rank_offset
         self.workers_per_engine = workers_per_engine
         self.digest = digest
         self.joined = False
 
-    def init_info(self, record: dict[str, Any]) -> dict[str, Any]:  # overridable, as update_info
+    def init_info(self, record: dict[str, Any]) -> dict[str, Any]:  # a test backend overrides
         return worker_init_info(record["uri"], self.rank_offset, self.workers_per_engine)
 
     def update_info(self, record: dict[str, Any]) -> dict[str, Any]:
         return update_info(record)
 
     async def receive(self, llm: AsyncLLM, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one version into an engine the caller paused (and then relabels, clears the prefix
-        cache of, resumes: VLLMEngine.load_weights' steps 1, 3, 4); each worker's {"digests", "seconds"}.
-        Raises ValueError for a malformed record (nothing touched); vLLM's error for a failed
-        transfer, after which the weights are undefined (a layerwise reload was under way)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+        """Step 2 of `VLLMEngine._refit`: each worker's {"digests", "seconds"}. ValueError for a
+        malformed record (nothing touched); vLLM's error for a failed transfer."""
+        from vllm.distributed.weight_transfer.base import (WeightTransferInitRequest,
+                                                           WeightTransferUpdateRequest)
 
         info = self.update_info(record)
-        # 1) join the group once  2) watch the loader  3) start, receive, finish  4) unwatch: digests
         if not self.joined:
-            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self.init_info(record)))
+            init = WeightTransferInitRequest(init_info=self.init_info(record))
+            await llm.init_weight_transfer_engine(init)
             self.joined = True
         await llm.collective_rpc("molt_watch_weights", args=(self.digest,))
         try:
@@ -94,10 +75,8 @@ class TransferReceiver:
 
 @dataclass
 class WeightTransfer:
-    """How a VLLMEngine takes refits over vLLM's weight-transfer API: vLLM's
-    ``weight_transfer_config.backend`` ("nccl"), the receiver that acts on each record, and
-    the worker extension (it must subclass MoltTransferWorkerExtension; a test backend
-    names its own so that vLLM's workers import and register it)."""
+    """vLLM's backend ("nccl"), the receiver, and the worker extension (a test backend's own
+    MoltTransferWorkerExtension, so that vLLM's workers import and register it)."""
 
     backend: str
     receiver: TransferReceiver
@@ -106,8 +85,7 @@ class WeightTransfer:
 
 def watching_loader(load: Callable[[Weights], Any], digests: dict[str, str],
                     digest: bool) -> Callable[[Weights], Any]:
-    """Wrap a model's ``load_weights``: as the loader pulls each (name, tensor),
-    ``digests[name] = tensor_digest(tensor)`` ("" when ``digest`` is false)."""
+    """``load`` recording ``digests[name]`` ("" without ``digest``) as it pulls each tensor."""
     def record(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             digests[name] = tensor_digest(tensor) if digest else ""
@@ -120,26 +98,27 @@ def watching_loader(load: Callable[[Weights], Any], digests: dict[str, str],
 
 
 class MoltTransferWorkerExtension(MoltWorkerExtension):
-    """Mixed into vLLM's worker class; `self` is the worker (molt_load_weights included)."""
+    """Mixed into vLLM's worker class; `self` is the worker."""
 
     def molt_watch_weights(self, digest: bool = True) -> None:
-        """Record what the transfer target's loader consumes until `molt_unwatch_weights`;
-        call before ``start_weight_update``. RuntimeError without ``weight_transfer_config``."""
+        """Record what the model's loader consumes until `molt_unwatch_weights`."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None:
-            raise RuntimeError("vLLM was started without weight_transfer_config; hint: start the engine "
-                               "with the rollout's engine.transport set to the trainer's publish transport type")
+            raise RuntimeError("vLLM was started without weight_transfer_config; hint: start the "
+                               "engine with the rollout's engine.transport set to the trainer's "
+                               "publish transport type")
         model: nn.Module = engine.model
         consumed: dict[str, str] = {}
         self._molt_watch = (model, consumed, digest, time.perf_counter())
-        setattr(model, "load_weights", watching_loader(getattr(model, "load_weights"), consumed, digest))
+        loader = watching_loader(getattr(model, "load_weights"), consumed, digest)
+        setattr(model, "load_weights", loader)
 
     def molt_unwatch_weights(self) -> dict[str, object]:
-        """Stop recording; repack tied layers; return {"digests": name -> tensor_digest of each
-        tensor consumed ({} when watched with digest=False), "seconds": since the watch began}."""
+        """Stop recording; repack tied layers; {"digests" ({} without digest), "seconds"}."""
         model, consumed, digest, start = self._molt_watch
         model.__dict__.pop("load_weights", None)  # the class's load_weights again
         repack_tied_layers(model, set(consumed))
         seconds = time.perf_counter() - start
-        logger.info("molt: received %d tensors through the weight-transfer API in %.2f s", len(consumed), seconds)
+        logger.info("molt: received %d tensors through the weight-transfer API in %.2f s",
+                    len(consumed), seconds)
         return {"digests": consumed if digest else {}, "seconds": seconds}

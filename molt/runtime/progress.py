@@ -1,14 +1,5 @@
-"""Live progress of a run: merges per-replica metrics and draws one table per refresh.
-
-The runner calls :meth:`Progress.update` every poll; it appends new lines of every
-``RUN_DIR/metrics/*.jsonl`` to ``RUN_DIR/metrics.jsonl`` (a resumed run: those it lacks)
-and keeps, per metric key, the latest value of each replica, combined across replicas by the reduction the
-stage declared (``sum`` for counters such as ``rows_out``; ``last`` by default).
-On a terminal it renders a rich table (stage, rows in/out, rows/s, latest metrics);
-elsewhere it logs a line every ``log_every_s`` seconds. A stage whose latest step raised
-collapse alarms (``collapse/alarms`` > 0, molt.train.collapse) is marked COLLAPSE, with its
-entropy and group shares, in the table and as a warning line.
-"""
+"""Live progress of a run: merges each replica's metrics into ``RUN_DIR/metrics.jsonl`` and draws
+a table on a terminal, else logs a line every ``log_every_s`` seconds."""
 
 from __future__ import annotations
 
@@ -31,22 +22,22 @@ log = get_logger("runner")
 class Progress:
     """Context manager: ``with Progress(pipe, run_dir, live) as p: p.update(elapsed_s)``."""
 
-    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool, log_every_s: float = 10.0) -> None:
+    def __init__(self, pipe: Pipeline, run_dir: Path, live: bool, log_every_s: float = 10.0):
         self.pipe, self.run_dir, self.live = pipe, Path(run_dir), live
         self.start_unix = time.time()
-        # every value of the keys the pipeline's `results:` names, as [seconds since start, value]
+        # each `results:` key -> [[seconds since start, value], ...]
         self.history: dict[str, list[list[float]]] = {key: [] for key in pipe.spec.results.values()}
         self.offsets: dict[Path, int] = {}
-        self.values: dict[str, dict[str, tuple[float, float]]] = {}  # key -> {replica: (time, value)}
+        self.values: dict[str, dict[str, tuple[float, float]]] = {}  # key -> replica -> (time, v)
         self.reduce: dict[str, str] = {}
         self.reached: dict[str, Any] | None = None  # the first line that met stop_when
         self.best: dict[str, Any] | None = None  # the highest value of keep_best's metric
-        self.best_logged_step = -1  # the newest step it was logged at: checkpoints after it may yet be best
+        self.best_logged_step = -1  # checkpoints after it may yet be best
         self.log_every_s, self._last_log = log_every_s, 0.0
         self._live: Live | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         drop_torn_line(self.run_dir / "metrics.jsonl")
-        self.merged = _merged_lines(self.run_dir / "metrics.jsonl")  # a resumed run's, per replica file
+        self.merged = _merged_lines(self.run_dir / "metrics.jsonl")
         self._out = open(self.run_dir / "metrics.jsonl", "a")
 
     def __enter__(self) -> Progress:
@@ -70,21 +61,23 @@ class Progress:
         elif time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             rows = self.summary()
-            brief = "  ".join(f"{k} {v:g}" for k, v in rows.items() if k.endswith(("rows_in", "rows_out")))
-            alarms = "  ".join(f"COLLAPSE {sid}: {', '.join(_collapse(rows, sid))}" for sid in self.pipe.stages
+            brief = "  ".join(f"{k} {v:g}" for k, v in rows.items()
+                              if k.endswith(("rows_in", "rows_out")))
+            alarms = "  ".join(f"COLLAPSE {sid}: {', '.join(_collapse(rows, sid))}"
+                               for sid in self.pipe.stages
                                if rows.get(f"{sid}/collapse/alarms", 0) > 0)
-            (log.warning if alarms else log.info)("%.0f s  %s", elapsed_s, "  ".join(filter(None, [brief, alarms]))
-                                                  or "starting")
+            line = "  ".join(filter(None, [brief, alarms])) or "starting"
+            (log.warning if alarms else log.info)("%.0f s  %s", elapsed_s, line)
 
     def _read(self, path: Path) -> None:
         with open(path) as f:
             f.seek(self.offsets.get(path, 0))
             while line := f.readline():
                 if not line.endswith("\n"):
-                    break  # a line still being written: read it next time
+                    break  # still being written
                 self.offsets[path] = f.tell()
-                source = ".".join(path.name.split(".")[:2])  # stage.replica (a torchrun group's rank 0 writes)
-                if self.merged.get(source, 0) > 0:  # in metrics.jsonl already: read, not written again
+                source = ".".join(path.name.split(".")[:2])  # stage.replica
+                if self.merged.get(source, 0) > 0:  # merged already (a resumed run)
                     self.merged[source] -= 1
                 else:
                     self._out.write(line)
@@ -92,20 +85,22 @@ class Progress:
                 for k, v in rec["values"].items():
                     if k in self.history:
                         self.history[k].append([round(rec["time"] - self.start_unix, 1), v])
-                    self.values.setdefault(k, {})[f"{rec['stage']}.{rec['replica']}"] = (rec["time"], v)
+                    replica = f"{rec['stage']}.{rec['replica']}"
+                    self.values.setdefault(k, {})[replica] = (rec["time"], v)
                 self.reduce.update(rec.get("reduce", {}))
-                stop, best = self.pipe.spec.stop_when, rec["values"].get(self.pipe.spec.keep_best)
-                if (self.reached is None and stop and stop.metric in rec["values"] and rec["time"] >= self.start_unix
-                        and stop.met(rec["values"])):  # a resumed run's earlier lines do not stop it
-                    self.reached = moment(rec, rec["values"][stop.metric], self.start_unix)
+                values, stop = rec["values"], self.pipe.spec.stop_when
+                best = values.get(self.pipe.spec.keep_best)
+                if (self.reached is None and stop and stop.metric in values
+                        and rec["time"] >= self.start_unix  # not a resumed run's earlier lines
+                        and stop.met(values)):
+                    self.reached = moment(rec, values[stop.metric], self.start_unix)
                 if best is not None:
                     self.best_logged_step = max(self.best_logged_step, rec.get("step") or 0)
                     if self.best is None or best > self.best["value"]:
                         self.best = moment(rec, best, self.start_unix)
 
     def summary(self) -> dict[str, float]:
-        """The latest value of every metric key, combined across replicas by its
-        reduction (``last``: the most recent line of any replica)."""
+        """The latest value of every metric key, combined across replicas by its reduction."""
         out = {}
         for k, per in self.values.items():
             vals = [v for _, v in per.values()]
@@ -124,7 +119,7 @@ class Progress:
             rows_in, rows_out = agg.get(f"{sid}/rows_in", 0), agg.get(f"{sid}/rows_out", 0)
             extra = [f"{k.split('/', 1)[1]} {v:.3g}" for k, v in agg.items()
                      if k.startswith(f"{sid}/") and not k.split("/", 1)[1].startswith("rows_")][:4]
-            if agg.get(f"{sid}/collapse/alarms", 0) > 0:  # molt.train.collapse: its latest step crossed a bound
+            if agg.get(f"{sid}/collapse/alarms", 0) > 0:
                 extra = ["[bold red]COLLAPSE[/]", *_collapse(agg, sid)]
             rate = (rows_out or rows_in) / max(elapsed_s, 1e-9)
             table.add_row(sid, str(n.replicas), f"{rows_in:g}", f"{rows_out:g}", f"{rate:.1f}",
@@ -133,15 +128,12 @@ class Progress:
 
 
 def _collapse(values: dict[str, float], sid: str) -> list[str]:
-    """The collapse figures of stage ``sid`` among ``values`` (key -> latest), as "name value"."""
     keys = ("entropy/mean", "collapse/identical_groups_frac", "collapse/zero_variance_frac")
     return [f"{k} {values[f'{sid}/{k}']:.3g}" for k in keys if f"{sid}/{k}" in values]
 
 
 def _merged_lines(path: Path) -> dict[str, int]:
-    """Lines of each replica's metrics file (by ``{stage}.{replica}``; one file each, a torchrun
-    group's rank 0 writing) that ``path`` (a run's ``metrics.jsonl``) holds already: a resumed run
-    merges only the lines after them."""
+    """``{stage}.{replica}`` -> its lines that ``path`` holds already (a resumed run's)."""
     counts: dict[str, int] = {}
     if path.is_file():
         for line in path.read_text().splitlines():

@@ -1,11 +1,8 @@
-"""The Ray placement backend (``placement: {backend: ray}``; the contract is in molt.runtime.placement).
-
-Each process is started by a :class:`Launcher` actor; a stage that asks for resources
-reserves its launchers as one placement group first. Ray is imported only here.
-"""
+"""The Ray placement backend (molt.runtime.placement); Ray is imported only here."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -19,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                            PlacementGroupSchedulingStrategy)
 
-from molt.runtime.placement import FORWARDED_ENV, PlacementError, PlacementSpec, Proc, StagePlacement, free_port
+from molt.runtime.placement import (FORWARDED_ENV, PlacementError, PlacementSpec, Proc,
+                                    StagePlacement, free_port, signal_group)
 
 if TYPE_CHECKING:
     from molt.runtime.pipeline import Pipeline
 
 
 class Launcher:
-    """A threaded Ray actor that starts one process and waits for it (``wait`` blocks while
-    ``terminate`` and ``kill`` come in on other threads). The process gets SIGKILL when the
-    thread that started it dies (PR_SET_PDEATHSIG): the actor's pool threads live as long as it."""
+    """A threaded Ray actor that starts one process, which dies with it, and waits for it."""
 
     def __init__(self) -> None:
         self.proc: Proc | None = None
@@ -43,25 +40,27 @@ class Launcher:
     def free_port(self, host: str) -> int:
         return free_port(host)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: str,
-              cwd: str, scratch: str) -> int:
-        """Start ``python argv`` (its own process group); return its pid.
+    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None,
+              log_path: str, cwd: str, scratch: str) -> int:
+        """Start ``python argv``; return its pid.
 
         Raises:
-            FileNotFoundError: the working directory or the run directory is not on this node.
+            FileNotFoundError: the working or the run directory is not on this node.
         """
-        for what, folder in (("working directory", cwd), ("run directory", str(Path(log_path).parent.parent))):
+        run_dir = str(Path(log_path).parent.parent)
+        for what, folder in (("working directory", cwd), ("run directory", run_dir)):
             if not os.path.isdir(folder):
-                raise FileNotFoundError(f"{name}: the {what} {folder} does not exist on node {self.node()[0]}; "
-                                        "the ray backend needs it on a filesystem every node mounts")
+                raise FileNotFoundError(f"{name}: the {what} {folder} does not exist on node "
+                                        f"{self.node()[0]}; the ray backend needs it on a "
+                                        "filesystem every node mounts")
         Path(scratch).mkdir(parents=True, exist_ok=True)
-        self.proc = Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, Path(log_path), cwd)
+        self.proc = Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus,
+                               Path(log_path), cwd)
         if self.stopped:
             self.proc.kill()
         return self.proc.popen.pid
 
     def wait(self) -> int:
-        """Its exit code, once it has exited."""
         assert self.proc is not None
         while (code := self.proc.poll()) is None:
             time.sleep(0.2)
@@ -78,15 +77,16 @@ class Launcher:
             self.proc.kill()
 
     def stacks(self) -> str:
-        """`Proc.stacks` of its process, on its node."""
         return self.proc.stacks() if self.proc is not None else "no process started"
 
 
 class RayProc:
-    """The runner's handle of a process started by a launcher (the interface of molt.runtime.placement.Proc)."""
+    """The runner's handle of a process a launcher started (the interface of `Proc`)."""
 
-    def __init__(self, name: str, actor: Any, ref: Any, log_path: Path, pid: int, node_id: str) -> None:
-        self.name, self.actor, self.ref, self.log_path, self.pid, self.node_id = name, actor, ref, log_path, pid, node_id
+    def __init__(self, name: str, actor: Any, ref: Any, log_path: Path, pid: int,
+                 node_id: str) -> None:
+        self.name, self.actor, self.ref = name, actor, ref
+        self.log_path, self.pid, self.node_id = log_path, pid, node_id
         self.code: int | None = None
         self.error: str | None = None
 
@@ -95,7 +95,8 @@ class RayProc:
             try:
                 self.code = ray.get(self.ref)
             except ray.exceptions.RayActorError as e:
-                self.code, self.error = -9, f"its Ray launcher actor died ({str(e).splitlines()[0]})"
+                died = str(e).splitlines()[0]
+                self.code, self.error = -9, f"its Ray launcher actor died ({died})"
             except ray.exceptions.RayTaskError as e:
                 self.code, self.error = 1, f"its Ray launcher failed: {e.cause!r}"
         return self.code
@@ -105,9 +106,8 @@ class RayProc:
             self.actor.terminate.remote()
 
     def kill(self) -> None:
-        """SIGKILL to the process and what it started (through the launcher), then the launcher.
-        Where the launcher died first, its process died with it (PR_SET_PDEATHSIG) but not
-        what that started: a task on its node kills the process group."""
+        """SIGKILL the process group (through the launcher, or a task on its node where that
+        died), then the launcher."""
         orphaned = self.error is not None
         if self.poll() is None:
             try:
@@ -117,25 +117,24 @@ class RayProc:
         ray.kill(self.actor)
         if orphaned:
             strategy = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
-            try:  # a lost node takes its processes with it
-                ray.get(ray.remote(_kill_group).options(num_cpus=0, scheduling_strategy=strategy).remote(self.pid),
-                        timeout=30)
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
+            # a lost node takes its processes with it
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                task = ray.remote(signal_group).options(num_cpus=0, scheduling_strategy=strategy)
+                ray.get(task.remote(self.pid, signal.SIGKILL), timeout=30)
 
     def stacks(self) -> str:
-        """Its process's Python stacks, from its launcher on its node (the watchdog's report)."""
         try:
             return str(ray.get(self.actor.stacks.remote(), timeout=60))
         except (ray.exceptions.RayError, TimeoutError) as e:
-            return f"no stacks: its launcher did not answer ({type(e).__name__}); see {self.log_path}"
+            return (f"no stacks: its launcher did not answer ({type(e).__name__}); see "
+                    f"{self.log_path}")
 
     def failure(self) -> str:
         return f"{self.error or f'the process exited with code {self.code}'}; see {self.log_path}"
 
 
 class RaySlot:
-    """A reserved launcher: where one process of a stage replica will run."""
+    """A reserved launcher, where one process will run."""
 
     def __init__(self, actor: Any, address: str, node_id: str) -> None:
         self.actor, self.address, self.node_id = actor, address, node_id
@@ -143,44 +142,49 @@ class RaySlot:
     def free_port(self, host: str) -> int:
         return int(ray.get(self.actor.free_port.remote(host)))
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None, log_path: Path,
-              scratch: Path) -> RayProc:
+    def start(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None,
+              log_path: Path, scratch: Path) -> RayProc:
         """Start the process through the launcher.
 
         Raises:
-            PlacementError: the launcher could not start it (e.g. a folder missing on its node).
+            PlacementError: the launcher could not start it.
         """
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
         try:
-            pid = ray.get(self.actor.start.remote(name, argv, {**forwarded, **env}, cpus, str(log_path.resolve()),
-                                                  os.getcwd(), str(scratch)))
+            pid = ray.get(self.actor.start.remote(name, argv, {**forwarded, **env}, cpus,
+                                                  str(log_path.resolve()), os.getcwd(),
+                                                  str(scratch)))
         except ray.exceptions.RayTaskError as e:
             raise PlacementError(name, str(e.cause)) from None
         return RayProc(name, self.actor, self.actor.wait.remote(), log_path, pid, self.node_id)
 
 
 class RayBackend:
-    """Connects to (or starts) a Ray cluster; reserves launchers per stage; cleans up."""
+    """Connects to (or starts) a Ray cluster and reserves launchers per stage."""
 
     def __init__(self, spec: PlacementSpec, pipe: Pipeline) -> None:
         self.spec, self.pipe = spec, pipe
-        sigterm = signal.getsignal(signal.SIGTERM)  # molt run's: an orderly stop (Ray's driver installs its own)
+        sigterm = signal.getsignal(signal.SIGTERM)  # molt run's, which Ray's driver replaces
         if spec.address is None:
-            ray.init(num_cpus=spec.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-                     object_store_memory=spec.object_store_mib * 2**20, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(num_cpus=spec.num_cpus or len(os.sched_getaffinity(0)),
+                     include_dashboard=False, object_store_memory=spec.object_store_mib * 2**20,
+                     log_to_driver=False, logging_level=logging.WARNING)
         else:
             where = f"{pipe.source}: placement.address: {spec.address!r}"
-            hint = "hint: the address `ray start --head` printed (HOST:6379), or no placement.address for a one-node instance"
+            hint = ("hint: the address `ray start --head` printed (HOST:6379), or no "
+                    "placement.address for a one-node instance")
             host, _, port = spec.address.rpartition(":")
             if port.isdigit():  # Ray retries an address where nothing answers for ever
                 try:
                     socket.create_connection((host, int(port)), timeout=10).close()
                 except OSError as e:
-                    raise PlacementError("placement", f"{where}: nothing answers there ({e}); {hint}") from None
+                    raise PlacementError("placement",
+                                         f"{where}: nothing answers there ({e}); {hint}") from None
             try:
                 ray.init(address=spec.address, log_to_driver=False, logging_level=logging.WARNING)
             except ConnectionError as e:
-                raise PlacementError("placement", f"{where}: {str(e).splitlines()[0]}; {hint}") from None
+                first = str(e).splitlines()[0]
+                raise PlacementError("placement", f"{where}: {first}; {hint}") from None
         if sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm)
         self.node_id = ray.get_runtime_context().get_node_id()  # the runner's node
@@ -192,26 +196,35 @@ class RayBackend:
         """``replicas`` lists of ``nodes`` launchers, placed and started.
 
         Raises:
-            PlacementError: naming ``stages.<id>``, when Ray cannot place them within ``ready_timeout_s``.
+            PlacementError: Ray cannot place them in time.
         """
-        node, p = self.pipe.stages[sid], self.spec.stages.get(sid, StagePlacement.model_validate({}))
-        cpus = p.num_cpus or 0.0  # CPU ids may be shared by stages: they are no count to reserve
-        gpus = p.num_gpus if p.num_gpus is not None else len(node.gpus) / replicas / nodes if node.gpus else 0.0
+        node = self.pipe.stages[sid]
+        p = self.spec.stages.get(sid, StagePlacement.model_validate({}))
+        cpus = p.num_cpus or 0.0  # CPU ids may be shared by stages: no count to reserve
+        gpus = (p.num_gpus if p.num_gpus is not None
+                else len(node.gpus) / replicas / nodes if node.gpus else 0.0)
         bundle = {k: v for k, v in {"CPU": cpus, "GPU": gpus, **p.resources}.items() if v}
         if nodes > 1 and not bundle:
-            bundle = {"CPU": 0.01}  # a placement group needs a resource in each bundle; it is what spreads them
+            bundle = {"CPU": 0.01}  # a placement group spreads bundles by their resources
         count, timeout = replicas * nodes, self.spec.ready_timeout_s
         strategy = p.strategy or ("STRICT_SPREAD" if nodes > 1 else "PACK")
-        what = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of {bundle or 'nothing'} "
-                f"each ({strategy})")
-        wait = f"{what} within {timeout:g} s (placement.ready_timeout_s)"
-        hint = (f"hint: ask for less in placement.stages.{sid}, or add nodes"
-                + (" (STRICT_SPREAD: one node per launcher)" if strategy == "STRICT_SPREAD" else ""))
-        if self.spec.address is None:  # the one node this run started: nothing more will ever join it
+        what = (f"{self.pipe.source}: stages.{sid}: Ray could not place {count} launcher(s) of "
+                f"{bundle or 'nothing'} each ({strategy})")
+        hint = f"hint: ask for less in placement.stages.{sid}, or add nodes"
+        if strategy == "STRICT_SPREAD":
+            hint += " (STRICT_SPREAD: one node per launcher)"
+
+        def too_slow() -> PlacementError:
+            return PlacementError(sid, f"{what} within {timeout:g} s (placement.ready_timeout_s); "
+                                  f"free: {_free()} of {_free(ray.cluster_resources())}; {hint}")
+
+        if self.spec.address is None:  # the one node this run started: no other will join
             total = ray.cluster_resources()
-            if any(v * count > total.get(k, 0) for k, v in bundle.items()) or (strategy == "STRICT_SPREAD" and count > 1):
-                raise PlacementError(sid, f"{what} on the one-node instance this run started (it has {_free(total)}); "
-                                          f"{hint} (a cluster: placement.address)")
+            if (any(v * count > total.get(k, 0) for k, v in bundle.items())
+                    or (strategy == "STRICT_SPREAD" and count > 1)):
+                raise PlacementError(sid, f"{what} on the one-node instance this run started "
+                                     f"(it has {_free(total)}); {hint} (a cluster: "
+                                     "placement.address)")
         strategies: list[Any] = []
         if bundle:
             pg = placement_group([bundle] * count, strategy=strategy, name=f"molt-{sid}")
@@ -219,15 +232,18 @@ class RayBackend:
             try:
                 ray.get(pg.ready(), timeout=timeout)
             except ray.exceptions.GetTimeoutError:
-                raise PlacementError(sid, f"{wait}; free: {_free()} of {_free(ray.cluster_resources())}; {hint}") from None
-            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(count)]
-        options = {"max_concurrency": 3, "num_cpus": cpus, "num_gpus": gpus, "resources": p.resources or None}
-        actors: list[Any] = [self.launcher.options(**options, scheduling_strategy=strategies[i] if strategies
-                                                   else "DEFAULT").remote() for i in range(count)]
+                raise too_slow() from None
+            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                          for i in range(count)]
+        options = {"max_concurrency": 3, "num_cpus": cpus, "num_gpus": gpus,
+                   "resources": p.resources or None}
+        actors: list[Any] = [self.launcher.options(**options, scheduling_strategy=strategies[i]
+                                                   if strategies else "DEFAULT").remote()
+                             for i in range(count)]
         try:
             where = ray.get([a.node.remote() for a in actors], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise PlacementError(sid, f"{wait}; free: {_free()} of {_free(ray.cluster_resources())}; {hint}") from None
+            raise too_slow() from None
         slots = [RaySlot(a, address, node_id) for a, (address, node_id) in zip(actors, where)]
         self.nodes |= {s.node_id for s in slots}
         return [slots[r * nodes:(r + 1) * nodes] for r in range(replicas)]
@@ -238,32 +254,26 @@ class RayBackend:
                      if s.node_id != self.node_id), None)
 
     def close(self, scratch: Path) -> None:
-        """Remove the placement groups and every node's scratch folder; disconnect (or stop the own instance)."""
+        """Remove the placement groups and every node's scratch folder; disconnect."""
         for pg in self.groups:
             remove_placement_group(pg)
         shutil.rmtree(scratch, ignore_errors=True)
         remove = ray.remote(_remove_folder)
-        try:  # a lost node took its folder with it
-            ray.get([remove.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                     .remote(str(scratch)) for n in self.nodes - {self.node_id}], timeout=60)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
+        # a lost node took its folder with it
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            others = self.nodes - {self.node_id}
+            on = [NodeAffinitySchedulingStrategy(n, soft=False) for n in others]
+            ray.get([remove.options(num_cpus=0, scheduling_strategy=s).remote(str(scratch))
+                     for s in on], timeout=60)
         ray.shutdown()
 
 
 def _free(resources: dict[str, float] | None = None) -> dict[str, float]:
-    """The cluster's free (or the given) CPUs, GPUs and custom resources, without memory, Ray's
-    node keys and placement groups' own."""
+    """The free (or given) resources, without memory and Ray's own keys."""
     return {k: v for k, v in (resources or ray.available_resources()).items()
-            if "memory" not in k and "_group_" not in k and not k.startswith(("node:", "accelerator_type:"))}
+            if "memory" not in k and "_group_" not in k
+            and not k.startswith(("node:", "accelerator_type:"))}
 
 
 def _remove_folder(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,13 +1,10 @@
-"""Recording edges to Arrow IPC files, reading them back, and a readable summary.
-
-A recorded edge is written by each producer replica to
-``RUN_DIR/record/{edge}/{stage}.{replica}.arrow`` in the Arrow IPC *stream* format
-(uncompressed): a crash leaves every complete batch readable, and a replayed batch
-is bit-identical to the one recorded.
-"""
+"""Recorded edges: ``RUN_DIR/record/{edge}/{stage}.{replica}.arrow`` per producer replica, in the
+uncompressed Arrow IPC stream format (a crash leaves every complete batch readable, a replayed
+batch is bit-identical), reading them back, and a readable summary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -18,17 +15,13 @@ import pyarrow as pa
 
 
 def edge_dirname(edge_name: str) -> str:
-    """File-system friendly name of an edge (``a.out->b.in`` -> ``a.out--b.in``)."""
+    """``a.out->b.in`` -> ``a.out--b.in``."""
     return edge_name.replace("->", "--")
 
 
 class RecordWriter:
-    """Append record batches to one Arrow IPC stream file, flushed after every batch.
-
-    ``keep_batches`` (a resumed run): keep the first N batches of an existing file at
-    ``path`` -- what was recorded up to the checkpoint -- and append after them; later
-    batches (recorded after the checkpoint, before the stop) are dropped, since the
-    resumed run produces them again.
+    """Append record batches to one Arrow IPC stream file, flushed after each; a resumed run
+    keeps the first ``keep_batches`` of an existing file (those before its checkpoint).
 
     Raises:
         ValueError: the existing file holds fewer than ``keep_batches`` batches.
@@ -46,15 +39,14 @@ class RecordWriter:
     def _keep_prefix(self, count: int) -> None:
         kept: list[pa.RecordBatch] = []
         if self.path.is_file():
-            with pa.ipc.open_stream(pa.memory_map(str(self.path))) as reader:
-                try:
-                    while len(kept) < count:
-                        kept.append(reader.read_next_batch())
-                except (StopIteration, pa.ArrowException):
-                    pass
+            with (pa.ipc.open_stream(pa.memory_map(str(self.path))) as reader,
+                  contextlib.suppress(StopIteration, pa.ArrowException)):
+                while len(kept) < count:
+                    kept.append(reader.read_next_batch())
         if len(kept) < count:
-            raise ValueError(f"recording {self.path} holds {len(kept)} complete batches but the checkpoint "
-                             f"counted {count}; hint: resume from the run directory that saved the checkpoint")
+            raise ValueError(f"recording {self.path} holds {len(kept)} complete batches but the "
+                             f"checkpoint counted {count}; hint: resume from the run directory "
+                             "that saved the checkpoint")
         tmp = self.path.with_name(f".{self.path.name}.resume")
         self._file = pa.OSFile(str(tmp), "wb")
         self._writer = pa.ipc.new_stream(self._file, kept[0].schema)
@@ -80,7 +72,7 @@ class RecordWriter:
 
 
 def recording_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The ``.arrow`` files of a recording: the file itself, or all under a folder, sorted.
+    """The ``.arrow`` files of a recording: the file, or all under a folder, sorted.
 
     Raises:
         ValueError: the path does not exist or holds no ``.arrow`` file.
@@ -98,18 +90,15 @@ def recording_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def read_schema(path: str | os.PathLike[str]) -> pa.Schema:
-    """The schema of the first file of a recording."""
     with _open(recording_files(path)[0]) as reader:
         return reader.schema
 
 
 def read_batches(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
-    """Every batch of a recording, file by file, in order; each fully validated (buffers against
-    schema) before it is yielded, so a corrupt file raises here rather than crashing a reader.
+    """Every batch of a recording, in order, each fully validated before it is yielded.
 
     Raises:
-        ValueError: a file that is not Arrow IPC, or one cut off or corrupt inside a batch (a run
-            killed while it recorded), naming it and how many batches before that are whole.
+        ValueError: a file not Arrow IPC, or cut off or corrupt, naming its whole batches.
     """
     for f in recording_files(path):
         with _open(f) as reader:
@@ -120,8 +109,9 @@ def read_batches(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
                     yield batch
                     whole += 1
             except (OSError, pa.ArrowInvalid) as e:
-                raise ValueError(f"{f}: cut off or corrupt after {whole} whole batches: {e}; hint: a run killed "
-                                 "while recording leaves its last batch incomplete") from None
+                raise ValueError(f"{f}: cut off or corrupt after {whole} whole batches: {e}; hint: "
+                                 "a run killed while recording leaves its last batch incomplete"
+                                 ) from None
 
 
 def _open(path: Path) -> Any:
@@ -135,12 +125,8 @@ def _open(path: Path) -> Any:
 
 
 def summarize(path: str | os.PathLike[str], tokenizer: Any = None, num_samples: int = 1) -> str:
-    """A readable summary: files, rows, columns with their docs, and sample rows.
-
-    With ``tokenizer`` (a Hugging Face tokenizer) the ``token_ids`` of each sample are
-    decoded span by span, each line marked ``policy |`` where the policy generated it
-    (``loss_mask`` true) and ``context |`` elsewhere (prompt, tool results, env replies).
-    """
+    """Files, rows, columns with their docs, and sample rows; with a ``tokenizer``, decoded
+    text marked ``policy |`` where ``loss_mask`` is true, else ``context |``."""
     files = recording_files(path)
     batches = [b for f in files for b in read_batches(f)]
     schema = read_schema(path)
@@ -160,14 +146,13 @@ def summarize(path: str | os.PathLike[str], tokenizer: Any = None, num_samples: 
 
 
 def _short(value: Any, limit: int = 160) -> str:
-    """A value as JSON cut to ``limit`` characters; bytes (e.g. ``routed_experts``, each of ``images``) by size."""
-    text = json.dumps(value, default=lambda b: f"<{len(b)} bytes>") if not isinstance(value, bytes) \
-        else f"<{len(value)} bytes>"
+    """A value as JSON cut to ``limit`` characters; bytes as their size."""
+    text = (json.dumps(value, default=lambda b: f"<{len(b)} bytes>") if not isinstance(value, bytes)
+            else f"<{len(value)} bytes>")
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def _decode(tokenizer: Any, token_ids: list[int], loss_mask: list[bool] | None) -> list[str]:
-    """Lines of the decoded spans of equal ``loss_mask``, marked ``policy |`` or ``context |``."""
     mask = loss_mask or [False] * len(token_ids)
     lines, start = [], 0
     for i in range(1, len(token_ids) + 1):

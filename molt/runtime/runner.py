@@ -1,40 +1,20 @@
 """Starts, wires, supervises and stops the processes of a pipeline (``molt run``).
 
-Run directory: ``pipeline.yaml`` (resolved config), ``wiring.json`` (endpoints),
-``logs/{stage}.{replica}.log``, ``metrics/`` (per replica) merged into
-``metrics.jsonl``, ``status/`` (per process), ``record/`` (recorded edges),
-``checkpoints/`` and ``summary.json`` (status, results and their history, metrics).
+Run directory: ``pipeline.yaml`` (resolved), ``wiring.json``, ``logs/``, ``metrics/`` (merged into
+``metrics.jsonl``), ``status/``, ``record/``, ``checkpoints/``, ``summary.json``. ``resume=True``
+continues a stopped run from its newest complete checkpoint; ``resume=FOLDER`` starts a new run
+from that checkpoint of another run.
 
-Checkpoints (molt.runtime.checkpoint): stages save them at barriers; the runner keeps the
-newest ``keep_checkpoints`` complete ones. ``resume=True`` (``molt run --resume``)
-continues a stopped run in its own directory from its newest complete checkpoint:
-it writes ``resume.json`` naming it, clears the old ``status/``, and every stage
-restores itself after ``setup()``; ``logs/`` and ``metrics/`` are appended to.
-``resume=FOLDER`` (``molt replay --from-step``) starts a new run whose stages restore
-from that checkpoint of another run where they have state there.
+Healthy drain: sources finish and send end of stream; a stage ends when every producer of each
+non-broadcast input has ended (so broadcast feedback edges never block it), flushes, sends end of
+stream and exits 0. The runner waits until every process has exited 0 (or ``stop_when`` is met),
+then writes the summary.
 
-Placement (molt.runtime.placement): every process is a child of the runner on this host, or,
-with ``placement: {backend: ray}``, runs under a Ray launcher actor that holds its
-resources; the runner reserves every stage's places before it writes the wiring
-(tcp edges bind where their producers landed) and starts anything.
-
-Healthy drain: sources finish and send end-of-stream; each stage ends when every
-producer of each non-broadcast input has ended, flushes, sends end-of-stream on
-its outputs and exits 0; a broadcast (feedback) edge never holds a stage back, so
-drain terminates with feedback edges too. The runner waits until every process
-has exited 0, then writes the summary.
-
-Crash: a stage that raises sends an error frame downstream, writes its traceback to
-``status/`` and exits 1 (a SIGKILLed one simply dies). The runner polls every
-0.2 s; on the first non-zero exit it stops every process: SIGTERM to each process
-group (children of children included: engine processes, torchrun ranks), then
-SIGKILL after ``stop_timeout_s``. It reports the root cause -- the earliest failure
-that was not just an upstream error -- with the stage id and traceback, and the run
-exits non-zero. Ctrl-C stops everything the same way (exit 130). Stage processes
-also get SIGKILL if the runner itself dies (PR_SET_PDEATHSIG).
-
-A run's targets (molt.runtime.targets): it stops the same way, ok, once ``stop_when``
-is met; ``keep_best`` spares checkpoints from pruning.
+Crash: a stage that raises sends an error frame downstream, writes its traceback to ``status/``
+and exits 1. On the first non-zero exit or the watchdog, the runner sends SIGTERM to every
+process group, SIGKILL after ``stop_timeout_s``, and reports the root cause, the earliest failure
+not caused by another stage; exit 1. Ctrl-C or SIGTERM stops the same way (exit 130; a second one
+kills at once). Stage processes die with the runner (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -49,7 +29,8 @@ from typing import Any
 
 import yaml
 
-from molt.runtime.checkpoint import latest_checkpoint, prune_checkpoints, replica_names, trainer_checkpoints
+from molt.runtime.checkpoint import (latest_checkpoint, prune_checkpoints, replica_names,
+                                     trainer_checkpoints)
 from molt.runtime.curve import CurveKeys
 from molt.runtime.metrics import get_logger
 from molt.runtime.pipeline import Pipeline
@@ -61,28 +42,27 @@ from molt.runtime.targets import warn_unlogged
 log = get_logger("runner")
 
 
-def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
-               tcp_host: Callable[[str, int], tuple[str, Callable[[str], int]]] | None = None) -> dict[str, Any]:
-    """Endpoints of every edge: one per producer replica, plus the consumer ids.
+TcpHost = Callable[[str, int], tuple[str, Callable[[str], int]]]
 
-    ``ipc://`` sockets go in ``sock_dir`` (the run's private scratch folder: mode 0700, a name
-    no one can guess, short enough for a socket path, removed when every process is gone).
-    ``tcp_host(stage, replica)`` gives the address a producer binds its tcp edges to and a
-    function giving a free port there (a Ray launcher's node); default: ``host``, this machine.
-    """
-    curve = None  # the keys file of CURVE tcp edges (molt.runtime.curve)
+
+def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
+                tcp_host: TcpHost | None = None) -> dict[str, Any]:
+    """Each edge's endpoints, one per producer replica (``ipc://`` in ``sock_dir``; tcp at
+    ``tcp_host(stage, replica)``: an address and its free-port function), and consumer ids."""
+    curve = None
     if pipe.spec.transport == "tcp" and pipe.spec.curve:
-        keys = CurveKeys.read(pipe.spec.curve_keys) if pipe.spec.curve_keys else CurveKeys.generate()
-        keys.write(run_dir.resolve() / "keys" / "curve.json")
-        curve = str(run_dir.resolve() / "keys" / "curve.json")
+        keys_file, path = pipe.spec.curve_keys, run_dir.resolve() / "keys" / "curve.json"
+        (CurveKeys.read(keys_file) if keys_file else CurveKeys.generate()).write(path)
+        curve = str(path)
     elif pipe.spec.transport == "tcp":
-        log.warning("tcp edges without CURVE (curve: false): any peer that reaches %s can read and inject batches",
-                    pipe.spec.host)
+        log.warning("tcp edges without CURVE (curve: false): any peer that reaches %s can read "
+                    "and inject batches", pipe.spec.host)
     wiring = {}
     for e in pipe.edges:
         num_producers, num_consumers = pipe.stages[e.src].replicas, pipe.stages[e.dst].replicas
         if pipe.spec.transport == "tcp":
-            hosts = [tcp_host(e.src, i) if tcp_host else (pipe.spec.host, free_port) for i in range(num_producers)]
+            hosts = [tcp_host(e.src, i) if tcp_host else (pipe.spec.host, free_port)
+                     for i in range(num_producers)]
             endpoints = [f"tcp://{host}:{port(host)}" for host, port in hosts]
         else:
             endpoints = [f"ipc://{sock_dir}/e{e.index}.{i}" for i in range(num_producers)]
@@ -92,7 +72,7 @@ def make_wiring(pipe: Pipeline, run_dir: Path, sock_dir: Path,
 
 
 class Runner:
-    """Runs a validated pipeline in ``run_dir`` and returns an exit code."""
+    """Runs a validated pipeline in ``run_dir``; ``run()`` returns the exit code."""
 
     def __init__(self, pipe: Pipeline, run_dir: Path, live: bool | None = None,
                  resume: bool | Path = False) -> None:
@@ -106,34 +86,38 @@ class Runner:
         self.backend: Any = None
 
     def start(self) -> None:
-        """Write the resolved config, reserve every process's place (molt.runtime.placement), write
-        the wiring, then start one process per replica (per node of a multi-node group)."""
+        """Write the config, reserve every process's place, write the wiring, start them all."""
         if self.resume:
             self._prepare_resume()
         for sub in ("logs", "metrics", "status"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "pipeline.yaml").write_text(yaml.safe_dump(self.pipe.to_dict(), sort_keys=False))
+        resolved = yaml.safe_dump(self.pipe.to_dict(), sort_keys=False)
+        (self.run_dir / "pipeline.yaml").write_text(resolved)
         placement = self.pipe.spec.placement
         if placement.backend == "ray":
             from molt.runtime.ray import RayBackend
 
             self.backend = RayBackend(placement, self.pipe)
-        else:  # checked here, not at load: a worker pinned to its CPUs loads the saved pipeline too
+        else:  # checked here, not at load: a worker pinned to its CPUs loads the pipeline too
             self.backend = LocalBackend()
             for sid, node in self.pipe.stages.items():
                 if missing := sorted(set(node.cpus or ()) - os.sched_getaffinity(0)):
-                    raise PlacementError(sid, f"{self.pipe.source}: stages.{sid}.cpus: CPU {missing[0]} is not "
-                                         f"available; this machine offers {sorted(os.sched_getaffinity(0))}")
-        # after the backend, which removes it (`run`); one that failed to start has nothing to clean
-        self.scratch = scratch_folder("molt-run-")  # weight files etc.; removed when every process is gone
+                    raise PlacementError(sid, f"{self.pipe.source}: stages.{sid}.cpus: CPU "
+                                         f"{missing[0]} is not available; this machine offers "
+                                         f"{sorted(os.sched_getaffinity(0))}")
+        # made after the backend, whose close() removes it once every process is gone
+        self.scratch = scratch_folder("molt-run-")
         owners = list(reversed(self.pipe.topo_order()))
-        slots = {sid: self.backend.reserve(sid, self.pipe.stages[sid].replicas, self._nodes(sid)) for sid in owners}
+        slots = {sid: self.backend.reserve(sid, self.pipe.stages[sid].replicas, self._nodes(sid))
+                 for sid in owners}
         tcp_host = None
         if placement.backend == "ray" and (remote := self.backend.remote_stage(slots)):
             if self.pipe.spec.transport != "tcp":
-                raise PlacementError(remote, f"{self.pipe.source}: stages.{remote}: Ray placed it on another node "
-                                     "than molt run; ipc edges stay on one host: set transport: tcp")
-            tcp_host = lambda sid, r: (slots[sid][r][0].address, slots[sid][r][0].free_port)  # noqa: E731
+                raise PlacementError(remote, f"{self.pipe.source}: stages.{remote}: Ray placed it "
+                                     "on another node than molt run; ipc edges stay on one host: "
+                                     "set transport: tcp")
+            tcp_host = lambda sid, r: (slots[sid][r][0].address,  # noqa: E731
+                                       slots[sid][r][0].free_port)
         wiring = make_wiring(self.pipe, self.run_dir, self.scratch / "sock", tcp_host)
         (self.run_dir / "wiring.json").write_text(json.dumps(wiring, indent=1))
         for sid in owners:
@@ -146,48 +130,51 @@ class Runner:
         return placed.nodes if placed else 1
 
     def _prepare_resume(self) -> None:
-        """Name the checkpoint in ``resume.json`` (newest complete one, or the given
-        folder: then not strict, recordings fresh); drop the old statuses."""
+        """Name the checkpoint in ``resume.json``; a given folder is not strict and starts the
+        recordings afresh."""
         explicit = isinstance(self.resume, Path)
-        folder = self.resume if isinstance(self.resume, Path) else latest_checkpoint(self.run_dir, self.replica_names)
+        folder = (self.resume if isinstance(self.resume, Path)
+                  else latest_checkpoint(self.run_dir, self.replica_names))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "resume.json").write_text(json.dumps(
-            {"checkpoint": str(folder.resolve()), "strict": not explicit, "keep_records": not explicit}))
-        for old in (self.run_dir / "status").glob("*.json"):  # a resumed run's previous statuses
+            {"checkpoint": str(folder.resolve()), "strict": not explicit,
+             "keep_records": not explicit}))
+        for old in (self.run_dir / "status").glob("*.json"):
             old.unlink()
         log.info("resuming %s from %s", self.run_dir, folder.name)
 
     def _launch(self, sid: str, replica: int, slots: list[Any]) -> list[Any]:
-        """Start a stage replica's process in each of its slots (one, or one per node of a
-        torchrun group: static rendezvous at the first slot's address). A one-node group uses
-        ``--standalone``: its store binds a port of the OS's choice, so no other process can take
-        it between choosing and binding (CI saw a one-node group exit 1 before any rank ran)."""
+        """Start a replica's process in each of its slots (one per node of a torchrun group);
+        ``--standalone`` on one node binds a port of the OS's choice, which none can take."""
         node = self.pipe.stages[sid]
         worker = ["-m", "molt.runtime.worker", str(self.run_dir.resolve()), sid, str(replica)]
         argvs = [worker]
         if node.world_size > 1:
             master = slots[0].address or "127.0.0.1"
             rendezvous = ["--standalone"] if len(slots) == 1 else [
-                f"--nnodes={len(slots)}", f"--master-addr={master}", f"--master-port={slots[0].free_port(master)}"]
-            argvs = [["-m", "torch.distributed.run", f"--nproc-per-node={node.world_size // len(slots)}",
-                      *rendezvous, f"--node-rank={k}", *worker] for k in range(len(slots))]
-        # Custom stages are imported by path relative to where `molt run` was started.
+                f"--nnodes={len(slots)}", f"--master-addr={master}",
+                f"--master-port={slots[0].free_port(master)}"]
+            per_node = node.world_size // len(slots)
+            torchrun = ["-m", "torch.distributed.run", f"--nproc-per-node={per_node}", *rendezvous]
+            argvs = [[*torchrun, f"--node-rank={k}", *worker] for k in range(len(slots))]
+        # custom stages are imported relative to where `molt run` was started
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path, SCRATCH_ENV: str(self.scratch)}
-        if node.gpus is not None and isinstance(self.backend, LocalBackend):  # Ray assigns GPUs itself
-            share = len(node.gpus) // node.replicas  # replica r: the r-th equal share; group rank k its k-th GPU
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.gpus[replica * share:(replica + 1) * share]))
-        if node.cpus is not None:  # the OS, OpenMP (torch) and vLLM's CPU backend keep to these CPUs
+        if node.gpus is not None and isinstance(self.backend, LocalBackend):  # Ray assigns GPUs
+            share = len(node.gpus) // node.replicas  # replica r: the r-th equal share
+            gpus = node.gpus[replica * share:(replica + 1) * share]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        if node.cpus is not None:
             env["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) * len(slots) // node.world_size))
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, node.cpus))
         logs = self.run_dir / "logs"
         assert self.scratch is not None
         return [slot.start(f"{sid}.{replica}", argv, env, node.cpus,
-                           logs / (f"{sid}.{replica}.log" if k == 0 else f"{sid}.{replica}.node{k}.log"), self.scratch)
+                           logs / f"{sid}.{replica}{f'.node{k}' if k else ''}.log", self.scratch)
                 for k, (slot, argv) in enumerate(zip(slots, argvs))]
 
     def supervise(self, progress: Progress) -> None:
-        """Poll until every process has exited 0 or one has failed (sets ``failure``)."""
+        """Poll until every process has exited 0, or one failed (sets ``failure``)."""
         polls = 0
         while True:
             progress.update(time.monotonic() - self.start_s)
@@ -199,32 +186,30 @@ class Runner:
                 return
             if all(c == 0 for c in codes) or self._stalled():
                 return
-            if (reached := progress.reached) is not None and (stop := self.pipe.spec.stop_when) is not None:
-                log.info("stop_when met: %s %g at step %s, %.1f s after the start; stopping the run",
-                         stop.metric, reached["value"], reached["step"], reached["time_s"])
+            stop = self.pipe.spec.stop_when
+            if (reached := progress.reached) is not None and stop is not None:
+                log.info("stop_when met: %s %g at step %s, %.1f s after the start; stopping the "
+                         "run", stop.metric, reached["value"], reached["step"], reached["time_s"])
                 return
             time.sleep(0.2)
 
     def _stalled(self) -> bool:
-        """The watchdog: True (and ``failure`` set, with every running process's stacks and log tail) when
-        no process has written a metric line for ``watchdog_s`` (a hung stage or engine, a stopped process)."""
+        """True, with every running process's stacks in ``failure``, when no metric line was
+        written for ``watchdog_s``."""
         limit = self.pipe.spec.watchdog_s
         files = list((self.run_dir / "metrics").glob("*.jsonl"))
         quiet = time.time() - max([f.stat().st_mtime for f in files] + [self.start_unix])
         if limit is None or quiet < limit:
             return False
-        log.error("no progress for %.0f s (watchdog_s %g): dumping every process's stacks, then stopping", quiet, limit)
+        log.error("no progress for %.0f s (watchdog_s %g): dumping every process's stacks, then "
+                  "stopping", quiet, limit)
         report = "\n\n".join(f"{p.name}:\n{p.stacks()}" for p in self.procs if p.poll() is None)
-        self.failure = {"stage": "watchdog", "error": f"no process wrote a metric line for {quiet:.0f} s "
-                        f"(watchdog_s {limit:g}); what each was doing:\n\n{report}"}
+        self.failure = {"stage": "watchdog", "error": f"no process wrote a metric line for "
+                        f"{quiet:.0f} s (watchdog_s {limit:g}); what each was doing:\n\n{report}"}
         return True
 
     def run(self) -> int:
-        """start + supervise + stop; returns 0, 1 (a stage failed) or 130 (interrupted).
-
-        SIGINT (Ctrl-C) arrives as KeyboardInterrupt; ``molt run`` turns SIGTERM into
-        one too. Either way every process is stopped and the summary is written.
-        """
+        """start + supervise + stop; returns 0, 1 (failed) or 130 (SIGINT or SIGTERM)."""
         self.start_s, self.start_unix = time.monotonic(), time.time()
         with Progress(self.pipe, self.run_dir, self.live) as progress:
             try:
@@ -234,33 +219,37 @@ class Runner:
                 self.failure = {"stage": e.stage, "error": str(e)}
             except KeyboardInterrupt:
                 log.warning("interrupted: stopping %d process(es)", len(self.procs))
-                self.failure = {"stage": None, "error": "interrupted by a signal (SIGINT or SIGTERM)"}
-            finally:  # a second Ctrl-C hurries the stop (no wait for SIGTERM) and never breaks it off
+                self.failure = {"stage": None,
+                                "error": "interrupted by a signal (SIGINT or SIGTERM)"}
+            finally:  # a second Ctrl-C hurries the stop and never breaks it off
                 with stop_signals_deferred(raise_after=False) as again:
                     self.stop(hurry=again)
                     if self.backend is not None and self.scratch is not None:
                         self.backend.close(self.scratch)
                     progress.update(time.monotonic() - self.start_s)
-                    code = self._finish(progress, time.monotonic() - self.start_s, self._prune(progress))
+                    wall_s = time.monotonic() - self.start_s
+                    code = self._finish(progress, wall_s, self._prune(progress))
             return code
 
     def _prune(self, progress: Progress) -> Path | None:
-        """Keep the newest ``keep_checkpoints`` and, with ``keep_best``, the checkpoint at the best step and
-        those after the metric's newest step (not evaluated yet); returns the best's (None: none yet)."""
-        found = trainer_checkpoints(self.run_dir, self.replica_names) if self.pipe.spec.keep_best else {}
+        """Keep the newest ``keep_checkpoints``, the best one and those not evaluated yet;
+        returns the best's."""
+        found = (trainer_checkpoints(self.run_dir, self.replica_names)
+                 if self.pipe.spec.keep_best else {})
         best = found.get(progress.best["step"], (None,))[0] if progress.best else None
-        pending = [folder for version, (folder, _) in found.items() if version > progress.best_logged_step]
+        pending = [folder for v, (folder, _) in found.items() if v > progress.best_logged_step]
         prune_checkpoints(self.run_dir, self.replica_names, self.pipe.spec.keep_checkpoints,
                           pending + ([best] if best else []))
         return best
 
     def stop(self, hurry: Sequence[int] = ()) -> None:
-        """Stop every process and its descendants: SIGTERM, then SIGKILL after ``stop_timeout_s``
-        or as soon as ``hurry`` (the stop signals that came meanwhile) is not empty (idempotent)."""
+        """SIGTERM, then SIGKILL every process after ``stop_timeout_s``, or once ``hurry`` (the
+        stop signals that came meanwhile) is not empty; idempotent."""
         for p in self.procs:
             p.terminate()
         deadline = time.monotonic() + self.pipe.spec.stop_timeout_s
-        while time.monotonic() < deadline and not hurry and any(p.poll() is None for p in self.procs):
+        while (time.monotonic() < deadline and not hurry
+               and any(p.poll() is None for p in self.procs)):
             time.sleep(0.05)
         if hurry:
             log.warning("a second stop signal: killing every process without waiting")
@@ -288,16 +277,16 @@ class Runner:
         status = "ok" if not failure else "interrupted" if failure["stage"] is None else "failed"
         metrics = progress.summary()
         results = {name: metrics.get(key) for name, key in self.pipe.spec.results.items()}
-        # replicas' metric files are read one after another: order each history by time
+        # the replicas' files are read one after another: order by time
         history = {name: sorted(progress.history[key], key=lambda tv: tv[0])
                    for name, key in self.pipe.spec.results.items()}
-        summary = {"status": status, "wall_s": round(wall_s, 3), "failed_stage": failure.get("stage"),
-                   "error": failure.get("error"), "results": results, "results_history": history,
-                   "metrics": metrics}
+        summary = {"status": status, "wall_s": round(wall_s, 3),
+                   "failed_stage": failure.get("stage"), "error": failure.get("error"),
+                   "results": results, "results_history": history, "metrics": metrics}
         warn_unlogged(self.pipe.spec.stop_when, self.pipe.spec.keep_best, metrics)
-        if (stop := self.pipe.spec.stop_when) is not None:  # reached: None, or when and at what value
+        if (stop := self.pipe.spec.stop_when) is not None:
             summary["stop_when"] = {**stop.model_dump(), "reached": progress.reached}
-        if self.pipe.spec.keep_best is not None:  # the best value, its step and the checkpoint kept for it
+        if self.pipe.spec.keep_best is not None:
             summary["keep_best"] = {"metric": self.pipe.spec.keep_best, "best": progress.best,
                                     "checkpoint": None if best is None else str(best)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -305,17 +294,19 @@ class Runner:
             log.info("run finished in %.1f s: %s", wall_s, self.run_dir)
             return 0
         if status == "interrupted":
-            log.warning("run interrupted after %.1f s; every process stopped: %s", wall_s, self.run_dir)
+            log.warning("run interrupted after %.1f s; every process stopped: %s", wall_s,
+                        self.run_dir)
             return 130
-        what = ("the watchdog stopped the run" if failure["stage"] == "watchdog" else f"stage {failure['stage']} "
-                f"failed{' on what a peer sent it (no stage failed on its own)' if failure.get('upstream') else ''}")
+        peer = (" on what a peer sent it (no stage failed on its own)"
+                if failure.get("upstream") else "")
+        what = ("the watchdog stopped the run" if failure["stage"] == "watchdog"
+                else f"stage {failure['stage']} failed{peer}")
         log.error("%s; run stopped (%s)\n%s", what, self.run_dir, failure["error"])
         return 1
 
 
 def _log_tail(path: Path, lines: int = 12) -> str:
-    """The last ``lines`` lines of a stage's log, for a process that died before writing its
-    status (a launcher's own error, a crash in native code); empty when unreadable."""
+    """The last ``lines`` lines of a log; empty when unreadable."""
     try:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
     except OSError:

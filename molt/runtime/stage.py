@@ -1,23 +1,10 @@
-"""The Stage base class: a stage author writes hooks, the base owns loop and sockets.
+"""The Stage base class: a stage author writes hooks, the base owns the loop and the sockets.
 
-Kinds (pick one base):
-
-* :class:`Source` -- ``generate()`` yields record batches (or :class:`Barrier` s);
-  one output ``out``.
-* :class:`Transform` -- ``process(batch)`` returns a batch or None, ``flush()`` at
-  end of stream; input ``in``, output ``out`` (a sink declares ``outputs = {}``).
-* :class:`Service` -- ``async run()``, a long-lived stage (rollout) that calls
-  ``await self.recv(port)`` and ``await self.send(port, batch)`` itself.
-
-Hooks every kind may add: ``setup()``, ``close()`` (idempotent), ``state_dict()`` /
-``load_state_dict()`` (JSON state, saved at each checkpoint barrier and given back
-after ``setup()`` when a run resumes), and for bulky state ``save_checkpoint(folder)``
-/ ``load_checkpoint(folder)`` (call ``super()`` so the JSON is written last; see
-molt.runtime.checkpoint).
-
-Columns: each input :class:`Port` names the columns it ``reads``; each output port
-names the columns it ``writes`` and the input whose columns it ``passes`` through, or
-gives a fixed ``schema``. The pipeline derives every edge's schema from these at load.
+Kinds: `Source` (``generate()``), `Transform` (``process(batch)``, ``flush()``; a sink declares
+``outputs = {}``), `Service` (``async run()`` calling ``recv`` and ``send``). Optional hooks:
+``setup()``, an idempotent ``close()``, ``state_dict()``/``load_state_dict()`` (JSON, saved at
+each checkpoint barrier, restored after ``setup()`` on resume) and ``save_checkpoint`` /
+``load_checkpoint`` for bulky state (calling ``super()`` last).
 """
 
 from __future__ import annotations
@@ -40,20 +27,17 @@ from molt.runtime.metrics import MetricsWriter, get_logger
 from molt.runtime.ports import InputPort, OutputPort
 from molt.runtime.seeds import derive_seed
 
-
 SCRATCH_ENV = "MOLT_SCRATCH"  # the run's scratch folder, set by the runner for its workers
 
 
 def scratch_folder(prefix: str) -> Path:
-    """A new folder for a stage's shared files: under the run's scratch folder ($MOLT_SCRATCH,
-    in /dev/shm, removed by the runner after every process has exited, so a file outlives the
-    stage that wrote it while the run lasts), else in /dev/shm, else in the default temp dir."""
+    """A new folder in the run's scratch folder (removed after the run), else /dev/shm or tmp."""
     base = os.environ.get(SCRATCH_ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def run_owned(path: Path) -> bool:
-    """Whether ``path`` lies in the run's scratch folder (the runner removes it)."""
+    """Whether ``path`` lies in the run's scratch folder."""
     scratch = os.environ.get(SCRATCH_ENV)
     return scratch is not None and Path(path).resolve().is_relative_to(Path(scratch).resolve())
 
@@ -66,15 +50,9 @@ class StageConfig(BaseModel):
 
 @dataclass(frozen=True)
 class Port:
-    """Column contract of one named input or output.
-
-    reads: columns an input needs (trajectory column names or ``pa.Field`` s).
-    writes: columns an output adds.
-    passes: the input port whose columns an output carries through.
-    schema: a fixed schema instead of reads/writes (e.g. the weight-version record).
-    optional: an output that may have no edge: the stage then sends nothing on it (it
-        reads ``StageContext.subscribed``; the trainer publishes weights only when asked).
-    """
+    """Column contract of one named input or output: the columns an input ``reads``
+    (trajectory column names or ``pa.Field`` s), those an output ``writes`` on top of what the
+    input it ``passes`` carries, or a fixed ``schema``. An ``optional`` output may have no edge."""
 
     reads: tuple[str | pa.Field, ...] = ()
     writes: tuple[str | pa.Field, ...] = ()
@@ -96,38 +74,39 @@ class StageContext:
     inputs: dict[str, InputPort] = field(default_factory=dict)
     outputs: dict[str, OutputPort] = field(default_factory=dict)
     metrics: MetricsWriter | None = None
-    resume_from: Path | None = None  # checkpoint folder this run resumes from
-    seed: int = 0  # the pipeline's seed (molt.runtime.seeds)
+    resume_from: Path | None = None  # the checkpoint folder to restore from
+    seed: int = 0  # the pipeline's seed
     subscribed: set[str] = field(default_factory=set)  # outputs with at least one edge
 
     def seed_for(self, *parts: object) -> int:
-        """This stage's own seed, derived from the run's: ``derive_seed(seed, stage_id, *parts)``
-        (pass the replica as a part where replicas must draw apart; molt.runtime.seeds)."""
+        """``derive_seed(seed, stage_id, *parts)``; pass the replica where replicas must differ."""
         return derive_seed(self.seed, self.stage_id, *parts)
 
 
 def preflight_fields(config: Any, where: str) -> None:
-    """Call ``preflight(key)`` of every value in ``config``'s fields and mappings, at any depth, each
-    named by its YAML key under ``where``: ``stages.evaluate.config.tasks.gsm8k.task``."""
+    """Call ``preflight(where)`` of every sub-config that has one, at any depth, ``where`` being
+    its YAML path."""
     if isinstance(config, BaseModel) and callable(preflight := getattr(config, "preflight", None)):
         preflight(where)
     elif isinstance(config, BaseModel | dict):
-        items = config.items() if isinstance(config, dict) else ((k, getattr(config, k)) for k in type(config).model_fields)
+        items = (config.items() if isinstance(config, dict)
+                 else ((k, getattr(config, k)) for k in type(config).model_fields))
         for key, value in items:
             preflight_fields(value, f"{where}.{key}")
 
 
 class Stage:
-    """Base of all stages; see the module docstring for the hooks."""
+    """Base of all stages; the hooks are in the module docstring."""
 
     Config: ClassVar[type[StageConfig]] = StageConfig
     inputs: ClassVar[dict[str, Port]] = {}
     outputs: ClassVar[dict[str, Port]] = {}
-    drops_groups: ClassVar[bool] = False  # a filter of whole groups (molt.runtime.pipeline checks what is upstream)
+    drops_groups: ClassVar[bool] = False  # a filter of whole groups (see check_group_filters)
 
     def __init__(self, config: StageConfig, ctx: StageContext) -> None:
         self.config, self.ctx = config, ctx
-        self.log: logging.Logger = get_logger(f"{ctx.stage_id}/{ctx.replica if ctx.world_size == 1 else ctx.rank}")
+        who = ctx.replica if ctx.world_size == 1 else ctx.rank
+        self.log: logging.Logger = get_logger(f"{ctx.stage_id}/{who}")
         self.metrics = ctx.metrics or MetricsWriter(None, ctx.stage_id, ctx.replica)
 
     @classmethod
@@ -137,13 +116,11 @@ class Stage:
 
     @classmethod
     def preflight(cls, config: StageConfig, where: str) -> None:
-        """Checks beyond the config's types (files, datasets) that `molt run` and `molt sweep` make
-        once, before any process starts; raise ValueError naming ``where`` (the config's YAML path).
-        By default every sub-config with a ``preflight(where)`` method (a task) is called, at any depth."""
+        """Check files and datasets before any process starts; raise ValueError naming ``where``."""
         preflight_fields(config, where)
 
     def setup(self) -> None:
-        """Load models, open files. Runs after the sockets are connected."""
+        """Load models, open files; runs after the sockets are connected."""
 
     def close(self) -> None:
         """Release resources; must be idempotent."""
@@ -156,11 +133,7 @@ class Stage:
         """Restore what :meth:`state_dict` returned."""
 
     def save_checkpoint(self, folder: Path) -> None:
-        """Write ``{stage}.{replica}.json`` (state and recorded batch counts) atomically, on rank 0.
-
-        Runs on every rank of a group; an override that writes more files does so
-        first, then calls this, so the JSON marks this replica's part complete.
-        """
+        """Write ``{stage}.{replica}.json`` on rank 0; an override writes its files first."""
         if self.ctx.rank != 0:
             return
         recorded = {name: rec.num_batches for out in self.ctx.outputs.values()
@@ -169,17 +142,13 @@ class Stage:
                           {"state": self.state_dict(), "recorded": recorded})
 
     def load_checkpoint(self, folder: Path) -> None:
-        """Restore from checkpoint ``folder`` after ``setup()`` (``load_state_dict`` of the JSON)."""
+        """Restore from checkpoint ``folder`` after ``setup()``."""
         state = read_replica_state(folder, f"{self.ctx.stage_id}.{self.ctx.replica}")["state"]
         if state:
             self.load_state_dict(state)
 
     async def send(self, port: str, batch: pa.RecordBatch) -> None:
-        """Send a batch on output ``port`` (conformed to the port's schema).
-
-        On a torchrun group only rank 0 owns sockets; other ranks' sends are no-ops
-        except on in-process edges.
-        """
+        """Send a batch on output ``port``; a no-op on ranks other than 0 of a torchrun group."""
         out = self.ctx.outputs.get(port)
         if out is None:
             raise ValueError(f"stage {self.ctx.stage_id!r}: no output port {port!r}; "
@@ -188,11 +157,11 @@ class Stage:
         self.metrics.count(f"rows_out_{port}" if port != "out" else "rows_out", batch.num_rows)
 
     async def end(self, port: str) -> None:
-        """Send end of stream on output ``port`` now, before ``run()`` returns (e.g. to keep
-        reading a feedback input until its producer ends); the runner's end later is a no-op."""
+        """Send end of stream on ``port`` before ``run()`` returns."""
         await self.ctx.outputs[port].send_end()
 
-    async def recv(self, port: str = "in", timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
+    async def recv(self, port: str = "in",
+                   timeout_s: float | None = None) -> pa.RecordBatch | Barrier | None:
         """Next batch or barrier from input ``port``; None at end of stream."""
         item = await self.ctx.inputs[port].recv(timeout_s)
         if isinstance(item, pa.RecordBatch):
@@ -200,7 +169,7 @@ class Stage:
         return item
 
     async def barrier(self, step: int) -> None:
-        """Checkpoint barrier ``step``: ``save_checkpoint`` into its folder (molt.runtime.checkpoint), then forward it."""
+        """Checkpoint barrier ``step``: save the checkpoint, then forward the barrier."""
         if self.ctx.run_dir is not None:
             self.save_checkpoint(checkpoint_dir(self.ctx.run_dir, step))
         for out in self.ctx.outputs.values():
@@ -251,8 +220,7 @@ class Transform(Stage):
         await self.emit(self.flush())
 
     async def emit(self, result: pa.RecordBatch | None) -> None:
-        """Send what `process` or `flush` returned on ``out``; a stage that owes more after each
-        batch (e.g. DynamicSampling's notices on another output) extends this."""
+        """Send what `process` or `flush` returned on ``out``; overridden to send more."""
         if result is not None and "out" in self.ctx.outputs:
             await self.send("out", result)
         elif result is not None:
@@ -268,7 +236,7 @@ class Service(Stage):
 
 
 async def first_failure(main: asyncio.Task[Any], others: list[asyncio.Task[Any]]) -> None:
-    """Wait for ``main``; raise the first error of it or of ``others`` (which may end without one)."""
+    """Wait for ``main``; raise the first error of it or of ``others``."""
     waiting = {main, *others}
     while not main.done():
         done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

@@ -1,26 +1,19 @@
 """The body of one stage process: ``python -m molt.runtime.worker RUN_DIR STAGE REPLICA``.
 
-The runner starts one per stage replica (under torchrun for a group). The worker
-loads the resolved pipeline and wiring from the run directory, builds the stage, wires
-its ports, and runs::
+It loads the pipeline and wiring from the run directory, builds the stage with its ports, and::
 
     1) connect inputs and say hello     2) setup() (+ load_checkpoint when resuming)
     3) wait for every consumer's hello  4) run the stage's loop
     5) send end-of-stream downstream    6) close()
 
-Resuming (``RUN_DIR/resume.json`` names a checkpoint folder, molt.runtime.checkpoint): each
-stage gets ``load_checkpoint(folder)`` after ``setup()``, and each recorded edge keeps
-the batches recorded up to the checkpoint (``keep_records``; a replay into a new run
-directory starts its recordings fresh, and with ``strict`` false a stage that has no
-state in the checkpoint, e.g. the replay source, starts fresh).
-
-On failure it sends an error frame on every output, writes
-``RUN_DIR/status/{stage}.{replica}.json`` with the traceback, and exits 1.
+On failure it sends an error frame on every output, writes its traceback to
+``RUN_DIR/status/{stage}.{replica}.json`` and exits 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -35,9 +28,10 @@ from typing import Any
 import pyarrow as pa
 import zmq.asyncio
 
-from molt.runtime.checkpoint import read_replica_state
+from molt.runtime.checkpoint import read_replica_state, write_json_atomic
 from molt.runtime.curve import run_keys, start_authenticator
-from molt.runtime.edges import Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch, encode_batch
+from molt.runtime.edges import (Barrier, EdgeSpec, ProtocolError, UpstreamError, decode_batch,
+                                encode_batch)
 from molt.runtime.metrics import MetricsWriter
 from molt.runtime.pipeline import Edge, Pipeline, StageNode
 from molt.runtime.ports import InputPort, OutputPort
@@ -46,20 +40,15 @@ from molt.runtime.stage import Stage, StageContext
 
 
 def edge_spec(pipe: Pipeline, wiring: dict[str, Any], edge: Edge) -> EdgeSpec:
-    """The :class:`EdgeSpec` of an edge (its endpoints from the run's wiring)."""
     w = wiring[edge.name]
     assert edge.schema is not None
-    return EdgeSpec(edge.name, edge.cfg.kind, tuple(w["endpoints"]), tuple(w["consumers"]), edge.schema,
-                    edge.cfg.key, edge.cfg.capacity, edge.cfg.hwm, pipe.spec.ready_timeout_s, w.get("curve"),
-                    edge.cfg.max_message_mib << 20)
+    return EdgeSpec(edge.name, edge.cfg.kind, tuple(w["endpoints"]), tuple(w["consumers"]),
+                    edge.schema, edge.cfg.key, edge.cfg.capacity, edge.cfg.hwm,
+                    pipe.spec.ready_timeout_s, w.get("curve"), edge.cfg.max_message_mib << 20)
 
 
 class GroupInput:
-    """An input of a torchrun group: rank 0 receives and broadcasts each item to all ranks.
-
-    Items travel as ``[kind, length]`` then the bytes (Arrow IPC for batches) over a
-    gloo group, so every rank's ``process`` sees the same batch.
-    """
+    """An input of a torchrun group: rank 0 receives each item and broadcasts it over gloo."""
 
     def __init__(self, port: InputPort | None, schema: pa.Schema, group: Any) -> None:
         self.port, self.schema, self.group = port, schema, group
@@ -84,7 +73,8 @@ class GroupInput:
         kind, size = int(header[0]), int(header[1])
         if kind != 2:
             return None if kind == 0 else Barrier(size)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(size, dtype=torch.uint8)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                else torch.empty(size, dtype=torch.uint8))
         dist.broadcast(data, src=0, group=self.group)
         return decode_batch(data.numpy().tobytes(), self.schema, "torchrun group broadcast")
 
@@ -94,7 +84,7 @@ class GroupInput:
 
 
 class NullOutput:
-    """An external output on ranks other than 0: rank 0 alone sends."""
+    """An output on ranks other than 0: rank 0 alone sends."""
 
     async def wait_ready(self) -> None: ...
     async def send(self, batch: pa.RecordBatch) -> None: ...
@@ -105,16 +95,19 @@ class NullOutput:
     def close(self) -> None: ...
 
 
-def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica: int, run_dir: Path,
-                zctx: zmq.asyncio.Context, rank: int, world_size: int, group: Any) -> Stage:
-    """Instantiate one stage with its ports wired for this process."""
+def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica: int,
+                run_dir: Path, zctx: zmq.asyncio.Context, rank: int, world_size: int,
+                group: Any) -> Stage:
+    """The stage, its ports wired for this process."""
     name = f"{node.id}.{replica}"
-    resume_from, recorded = resume_plan(run_dir, name) if node.id in pipe.checkpointed() else (None, {})
-    ctx = StageContext(node.id, replica, node.replicas, run_dir, rank, world_size, resume_from=resume_from,
-                       seed=pipe.spec.seed, subscribed={e.src_port for e in pipe.edges if e.src == node.id})
+    resume_from, recorded = (resume_plan(run_dir, name) if node.id in pipe.checkpointed()
+                             else (None, {}))
+    ctx = StageContext(node.id, replica, node.replicas, run_dir, rank, world_size,
+                       resume_from=resume_from, seed=pipe.spec.seed,
+                       subscribed={e.src_port for e in pipe.edges if e.src == node.id})
     suffix = "" if world_size == 1 else f".rank{rank}"
-    ctx.metrics = MetricsWriter(run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None,
-                                node.id, replica)
+    metrics = run_dir / "metrics" / f"{name}{suffix}.jsonl" if rank == 0 else None
+    ctx.metrics = MetricsWriter(metrics, node.id, replica)
     for port in node.inputs:
         edges = [e for e in pipe.edges if e.dst == node.id and e.dst_port == port]
         specs = [edge_spec(pipe, wiring, e) for e in edges]
@@ -125,10 +118,11 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
             ctx.inputs[port] = GroupInput(real, specs[0].schema, group)  # type: ignore[assignment]
     for port in node.outputs:
         edges = [e for e in pipe.edges if e.src == node.id and e.src_port == port]
-        if world_size > 1 and rank != 0:  # only rank 0 sends
+        if world_size > 1 and rank != 0:
             ctx.outputs[port] = NullOutput()  # type: ignore[assignment]
             continue
-        recorders = {e.name: RecordWriter(run_dir / "record" / edge_dirname(e.name) / f"{name}.arrow",
+        record = run_dir / "record"
+        recorders = {e.name: RecordWriter(record / edge_dirname(e.name) / f"{name}.arrow",
                                           recorded.get(e.name, 0))
                      for e in edges if e.cfg.record and rank == 0}
         ends = [(edge_spec(pipe, wiring, e), replica) for e in edges]
@@ -137,7 +131,7 @@ def build_stage(pipe: Pipeline, wiring: dict[str, Any], node: StageNode, replica
 
 
 async def run_stage(stage: Stage) -> None:
-    """Lifecycle of one stage (steps 2-6 of the module docstring)."""
+    """Steps 2-6 of the module docstring."""
     ctx = stage.ctx
     try:
         stage.setup()
@@ -153,10 +147,8 @@ async def run_stage(stage: Stage) -> None:
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         for out in ctx.outputs.values():
-            try:
+            with contextlib.suppress(Exception):  # best effort while failing
                 await asyncio.wait_for(out.send_error(ctx.stage_id, text), timeout=2.0)
-            except Exception:  # noqa: BLE001 - best effort while already failing
-                pass
         raise
     finally:
         stage.close()
@@ -166,18 +158,20 @@ async def run_stage(stage: Stage) -> None:
 
 async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, replica: int,
                       run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
-    """Run one stage replica (a rank of its torchrun group) in this process."""
+    """Run one stage replica (or rank of its torchrun group) in this process."""
     group = None
     if world_size > 1:
         import torch
         import torch.distributed as dist
 
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
         group = dist.new_group(backend="gloo")
     zctx = zmq.asyncio.Context()
     keys = next((w["curve"] for w in wiring.values() if w.get("curve")), None)
-    auth = start_authenticator(zctx, run_keys(keys)) if keys else None  # before any CURVE server binds
-    stage = build_stage(pipe, wiring, pipe.stages[stage_id], replica, run_dir, zctx, rank, world_size, group)
+    auth = start_authenticator(zctx, run_keys(keys)) if keys else None  # before any server binds
+    node = pipe.stages[stage_id]
+    stage = build_stage(pipe, wiring, node, replica, run_dir, zctx, rank, world_size, group)
     try:
         for inp in stage.ctx.inputs.values():  # 1) connect and say hello before any (slow) setup
             await inp.start()
@@ -189,13 +183,13 @@ async def run_process(pipe: Pipeline, wiring: dict[str, Any], stage_id: str, rep
         if auth is not None:
             auth.stop()
         zctx.term()
-        if world_size > 1:  # gloo's threads left to the interpreter's exit abort 1 rank in 4 under load
+        if world_size > 1:  # gloo's threads left to the interpreter's exit can abort a rank
             dist.destroy_process_group()
 
 
 def resume_plan(run_dir: Path, name: str) -> tuple[Path | None, dict[str, int]]:
-    """(checkpoint folder replica ``name`` restores from, batches to keep per recorded edge),
-    from ``RUN_DIR/resume.json`` (written by the runner); (None, {}) for a fresh start.
+    """(checkpoint folder replica ``name`` restores from, batches to keep per recorded edge)
+    per ``RUN_DIR/resume.json``; (None, {}) for a fresh start or, not ``strict``, no state there.
 
     Raises:
         ValueError: a strict resume whose checkpoint has no state for ``name``.
@@ -211,32 +205,32 @@ def resume_plan(run_dir: Path, name: str) -> tuple[Path | None, dict[str, int]]:
     return folder, recorded if plan.get("keep_records", True) else {}
 
 
-def write_status(run_dir: Path, name: str, state: str, error: str = "", upstream: bool = False) -> None:
+def write_status(run_dir: Path, name: str, state: str, error: str = "",
+                 upstream: bool = False) -> None:
     """Atomically write this process's status file for the runner."""
-    path = run_dir / "status" / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"state": state, "error": error, "upstream": upstream,
-                               "time": time.time(), "pid": os.getpid()}))
-    os.replace(tmp, path)
+    status = {"state": state, "error": error, "upstream": upstream, "time": time.time(),
+              "pid": os.getpid()}
+    write_json_atomic(run_dir / "status" / f"{name}.json", status)
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack into the log (runner's watchdog)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log, for the watchdog
     run_dir, stage_id, replica = (argv or sys.argv[1:])[:3]
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_path = Path(run_dir)
     name = f"{stage_id}.{replica}" + (f".rank{rank}" if world_size > 1 else "")
-    logging.basicConfig(format=f"%(asctime)s [{name} %(name)s] %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("molt").setLevel(logging.INFO)  # the modules' INFO (refits verified, versions published)
+    logging.basicConfig(format=f"%(asctime)s [{name} %(name)s] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("molt").setLevel(logging.INFO)
     try:
         pipe = Pipeline.from_yaml(run_path / "pipeline.yaml")
         wiring = json.loads((run_path / "wiring.json").read_text())
         asyncio.run(run_process(pipe, wiring, stage_id, int(replica), run_path, rank, world_size))
     except BaseException as exc:  # noqa: BLE001 - report any failure to the runner
         text = "".join(traceback.format_exception(exc))
-        # upstream: caused by another (a stage's error frame, a consumer that went away, a peer's malformed message)
-        write_status(run_path, name, "failed", text, upstream=isinstance(exc, (UpstreamError, ProtocolError)))
+        # upstream: caused by another stage (error frame, consumer gone, malformed message)
+        upstream = isinstance(exc, (UpstreamError, ProtocolError))
+        write_status(run_path, name, "failed", text, upstream=upstream)
         print(text, file=sys.stderr, flush=True)
         return 1
     write_status(run_path, name, "done")

@@ -1,8 +1,4 @@
-"""Task configs: select a task by its YAML ``type:``, with no registry.
-
-Each config carries a ``type: Literal[...]`` tag and ``load() -> Task``; adding a
-task is one class here plus one member of :data:`TaskConfig`, a pydantic
-discriminated union (an unknown ``type`` or key fails at load, naming the choices).
+"""Task configs, selected by their YAML ``type:``::
 
     task: {type: arithmetic, seed: 0, num_problems: 1000, split: train}
     task: {type: gsm8k, path: /data/gsm8k/train.jsonl}
@@ -13,8 +9,9 @@ discriminated union (an unknown ``type`` or key fails at load, naming the choice
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Any, Annotated, Literal, Union
+from typing import Annotated, Callable, ClassVar, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -26,25 +23,49 @@ from molt.tasks.shapes import ShapeProblems
 
 
 class _TaskConfig(FrozenConfig):
-    """A task's config; `Stage.preflight` finds it in a stage's config by its ``preflight`` method."""
+    """A task's config; ``load()`` builds the task."""
+
+    def load(self) -> Task:
+        raise NotImplementedError
 
     def preflight(self, where: str) -> None:
-        preflight_task(self, where)
+        """Load the task before the run starts (`Stage.preflight`), to refuse a bad dataset.
+
+        Raises:
+            ValueError: naming ``where`` (the task's YAML key) and the problem.
+        """
+        try:
+            task = self.load()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if task.num_records == 0:
+            raise ValueError(f"{where}: no records; hint: num_problems >= 1")
 
 
-class ArithmeticTask(_TaskConfig):
-    """Generated arithmetic problems (:mod:`molt.tasks.arithmetic`)."""
+class _GeneratedTask(_TaskConfig):
+    """A generated task; ``problems`` builds it from the fields."""
 
-    type: Literal["arithmetic"] = "arithmetic"
+    problems: ClassVar[Callable[..., Task]]
     seed: int = 0
-    num_problems: int | None = Field(1000, ge=1, description="problems per epoch; null = an endless stream")
+    num_problems: int | None = Field(1000, ge=1, description="problems per epoch; null = endless")
     split: Literal["train", "eval"] = "train"
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of problems held out for eval")
+
+    def load(self) -> Task:
+        return self.problems(num_records=self.num_problems,
+                             **self.model_dump(exclude={"type", "num_problems"}))
+
+
+class ArithmeticTask(_GeneratedTask):
+    """Generated arithmetic problems (arithmetic.py)."""
+
+    problems = ArithmeticProblems
+    type: Literal["arithmetic"] = "arithmetic"
     min_operand: int = Field(10, ge=0, description="smallest operand (inclusive)")
     max_operand: int = Field(99, ge=0, description="largest operand (inclusive)")
-    second_operand: tuple[int, int] | None = Field(None, description="[min, max] of the second operand (inclusive); "
-                                                   "null: as the first's, e.g. [10, 99] with 100-999 for 3 x 2 digits")
+    second_operand: tuple[int, int] | None = Field(
+        None, description="[min, max] of the second operand (inclusive); null: as the first's")
     operations: tuple[Literal["+", "-", "*"], ...] = Field(("+",), min_length=1)
-    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems held out for eval")
     style: Literal["word", "plain"] = "word"
 
     @model_validator(mode="after")
@@ -52,43 +73,31 @@ class ArithmeticTask(_TaskConfig):
         if self.min_operand > self.max_operand:
             raise ValueError(f"min_operand must be <= max_operand; got {self.min_operand} > "
                              f"{self.max_operand}; hint: swap them")
-        if self.second_operand is not None and not 0 <= self.second_operand[0] <= self.second_operand[1]:
-            raise ValueError(f"second_operand must be [min, max] with 0 <= min <= max; got {list(self.second_operand)}")
+        second = self.second_operand
+        if second is not None and not 0 <= second[0] <= second[1]:
+            raise ValueError("second_operand must be [min, max] with 0 <= min <= max; "
+                             f"got {list(second)}")
         return self
 
-    def load(self) -> Task:
-        return ArithmeticProblems(
-            seed=self.seed, num_records=self.num_problems, split=self.split,
-            min_operand=self.min_operand, max_operand=self.max_operand, second_operand=self.second_operand,
-            operations=self.operations, eval_fraction=self.eval_fraction, style=self.style)
 
+class ShapesTask(_GeneratedTask):
+    """Generated count-and-colour pictures (shapes.py), for vision-language models."""
 
-class ShapesTask(_TaskConfig):
-    """Generated count-and-colour pictures (:mod:`molt.tasks.shapes`), for vision-language models."""
-
+    problems = ShapeProblems
     type: Literal["shapes"] = "shapes"
-    seed: int = 0
-    num_problems: int | None = Field(1000, ge=1, description="scenes per epoch; null = an endless stream")
-    split: Literal["train", "eval"] = "train"
     min_shapes: int = Field(1, ge=1, le=4, description="fewest shapes in a scene (inclusive)")
     max_shapes: int = Field(4, ge=1, le=4, description="most shapes in a scene (inclusive)")
-    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all scenes held out for eval")
 
     @model_validator(mode="after")
     def _check_range(self) -> ShapesTask:
         if self.min_shapes > self.max_shapes:
-            raise ValueError(f"min_shapes must be <= max_shapes; got {self.min_shapes} > {self.max_shapes}; "
-                             "hint: swap them")
+            raise ValueError(f"min_shapes must be <= max_shapes; got {self.min_shapes} > "
+                             f"{self.max_shapes}; hint: swap them")
         return self
-
-    def load(self) -> Task:
-        return ShapeProblems(seed=self.seed, num_records=self.num_problems, split=self.split,
-                             min_shapes=self.min_shapes, max_shapes=self.max_shapes,
-                             eval_fraction=self.eval_fraction)
 
 
 class _FileTask(_TaskConfig):
-    """A task read from a file: the file must exist when the pipeline loads."""
+    """A task read from a file, which must exist when the pipeline loads."""
 
     path: Path
     num_problems: int | None = Field(None, ge=1, description="use the first N records; null = all")
@@ -98,26 +107,27 @@ class _FileTask(_TaskConfig):
     @classmethod
     def _exists(cls, path: Path) -> Path:
         if not path.is_file():
-            raise ValueError(f"no such file; got {str(path)!r}; hint: paths are relative to where `molt run` starts")
+            raise ValueError(f"no such file; got {str(path)!r}; "
+                             "hint: paths are relative to where `molt run` starts")
         return path
 
     def first(self, records: RecordSet) -> RecordSet:
-        """The first ``num_problems`` records (all when unset).
+        """The first ``num_problems`` records.
 
         Raises:
-            ValueError: no record is left, or two have one ``prompt_id`` (a group key: their
-                rollouts would be one group), naming the file and the two rows.
+            ValueError: no record is left, or two share a ``prompt_id`` (the group key).
         """
         chosen = RecordSet(records.records[:self.num_problems], records.skipped)
         if not chosen.records:
-            raise ValueError(f"{self.path}: no records ({len(records.skipped)} malformed lines skipped); "
-                             "hint: a task needs at least one prompt")
+            raise ValueError(f"{self.path}: no records ({len(records.skipped)} malformed lines "
+                             "skipped); hint: a task needs at least one prompt")
         first_row: dict[str, int] = {}
         for row, record in enumerate(chosen.records):
             if (earlier := first_row.setdefault(record["prompt_id"], row)) != row:
                 raise ValueError(f"{self.path}: rows {earlier} and {row} have the same prompt_id "
-                                 f"{record['prompt_id']!r}; it keys a prompt's group, so their rollouts would "
-                                 "be graded as one group; hint: give every record its own prompt_id")
+                                 f"{record['prompt_id']!r}; it keys a prompt's group, so their "
+                                 "rollouts would be graded as one group; hint: give every record "
+                                 "its own prompt_id")
         return chosen
 
 
@@ -140,9 +150,8 @@ class JSONLTask(_FileTask):
     split: str = "train"
 
     def load(self) -> RecordSet:
-        stem, split = self.path.stem, self.split
-        return self.first(read_jsonl(self.path, lambda obj, i: generic_record(obj, i, stem=stem, split=split),
-                                     skip_malformed=self.skip_malformed))
+        convert = partial(generic_record, stem=self.path.stem, split=self.split)
+        return self.first(read_jsonl(self.path, convert, skip_malformed=self.skip_malformed))
 
 
 class ParquetTask(_FileTask):
@@ -152,23 +161,9 @@ class ParquetTask(_FileTask):
     split: str = "train"
 
     def load(self) -> RecordSet:
-        return self.first(read_parquet(self.path, split=self.split, skip_malformed=self.skip_malformed))
+        return self.first(read_parquet(self.path, split=self.split,
+                                       skip_malformed=self.skip_malformed))
 
 
 TaskConfig = Annotated[Union[ArithmeticTask, ShapesTask, GSM8KTask, JSONLTask, ParquetTask],
                        Field(discriminator="type")]
-
-
-def preflight_task(config: Any, where: str) -> None:
-    """Load a stage's task (``config``, a `TaskConfig`) once, before the run starts (`Stage.preflight`):
-    a missing, empty or malformed dataset, or one repeating a prompt_id, is refused before any engine starts.
-
-    Raises:
-        ValueError: naming ``where`` (the task's YAML key) and the problem.
-    """
-    try:
-        task = config.load()
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if task.num_records == 0:
-        raise ValueError(f"{where}: no records; hint: num_problems >= 1")

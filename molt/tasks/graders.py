@@ -1,30 +1,8 @@
 """Graders: score a completion against a reference answer (1.0 right, 0.0 wrong).
 
-A grader is a pydantic config with a ``type: Literal[...]`` tag and one method,
-``grade(completion, answer) -> Grade``; adding a grader is one class here plus one
-member of the :data:`GraderConfig` union (YAML: ``grader: {type: math}``).
-
-The math grader works in two steps:
-
-1. **Extract** the final answer from the completion (:func:`extract_answer`): the
-   content of the last ``\\boxed{...}``; else the number after the last ``#### ``
-   (GSM8K's convention); else the last number in the text. Thousands separators and
-   a leading ``$`` are dropped. Nothing found -> no answer, score 0.
-2. **Compare** (:func:`answers_match`): if both sides are plain numbers (integers,
-   decimals, ``a/b``) they are compared exactly as fractions; otherwise both are
-   handed to ``math-verify`` (``parse`` + ``verify``), which compares symbolically
-   (``\\frac{1}{2}`` vs ``0.5``, ``2\\sqrt{2}`` vs ``\\sqrt{8}``).
-
-Example: ``MathGrader().grade("so 3 + 4 = 7. #### 7", "7")`` -> ``Grade(1.0, "7")``;
-``grade("I think 3 then 5", "5")`` -> 1.0 (last number); ``grade("no idea", "5")`` ->
-``Grade(0.0, None)``.
-
-The shapes grader (:mod:`molt.tasks.shapes`) reads the first count (a digit 1-9 or
-one..nine) and the first colour word (red, green, blue, yellow), case-insensitive, and
-scores 1.0 iff both equal the answer's: ``grade("There are three red shapes.", "3 red")``
--> ``Grade(1.0, "3 red")``; ``grade("3 blue", "3 red")`` -> ``Grade(0.0, "3 blue")``.
-
-The completion text is used for grading only; it never feeds training.
+YAML selects one of :data:`GraderConfig` by ``type:``. The math grader extracts the final answer
+(:func:`extract_answer`) and compares it by value (:func:`answers_match`). The completion text is
+used for grading only; it never feeds training.
 """
 
 from __future__ import annotations
@@ -57,7 +35,7 @@ class Grade(NamedTuple):
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces (None if none or unclosed)."""
+    """Content of the last ``\\boxed{...}`` with balanced braces; None if unclosed."""
     start = text.rfind(_BOXED)
     if start < 0:
         return None
@@ -70,20 +48,15 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _clean_number(text: str) -> str:
-    """``"$1,234"`` -> ``"1234"``; other text is returned stripped, unchanged."""
+    """``"$1,234"`` -> ``"1234"``; other text stripped."""
     stripped = text.strip().lstrip("$").strip()
     candidate = stripped.replace(",", "")
     return candidate if _NUMBER_RE.fullmatch(candidate) else text.strip()
 
 
 def extract_answer(completion: str) -> str | None:
-    """The final answer written in ``completion``, or None if there is none.
-
-    Order: last ``\\boxed{...}``; else the number after the last ``####``; else the
-    last number in the text. Examples: ``"The answer is \\boxed{42}."`` -> ``"42"``;
-    ``"#### 1,234"`` -> ``"1234"``; ``"I think 3 then 5"`` -> ``"5"``; ``"-7."`` ->
-    ``"-7"``; ``"no number"`` -> None.
-    """
+    """The content of the last ``\\boxed{...}``, else the number after the last ``####``, else
+    the last number, without thousands separators or a leading ``$``; None if none."""
     boxed = _last_boxed(completion)
     if boxed:
         return _clean_number(boxed)
@@ -95,7 +68,6 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _as_fraction(text: str) -> Fraction | None:
-    """Exact value of a plain number (``"0.5"``, ``"-3"``, ``"1/2"``, ``"1,234"``); else None."""
     candidate = _clean_number(text)
     if not _NUMBER_RE.fullmatch(candidate):
         return None
@@ -106,22 +78,18 @@ def _as_fraction(text: str) -> Fraction | None:
 
 
 def _math_verify_match(extracted: str, answer: str) -> bool:
-    """Symbolic comparison through math-verify (LaTeX or plain expressions)."""
     from math_verify import parse, verify
 
-    # math-verify's timeout uses SIGALRM, which only the main thread may install.
-    timeout = _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    timeout = _MATH_VERIFY_TIMEOUT_S if main else None  # its timeout uses SIGALRM: main thread only
     gold = parse(f"${answer}$", parsing_timeout=timeout)  # type: ignore[arg-type]
     pred = parse(f"${extracted}$", parsing_timeout=timeout)  # type: ignore[arg-type]
     return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
 
 
 def answers_match(extracted: str, answer: str) -> bool:
-    """True if ``extracted`` equals the reference ``answer`` as a value.
-
-    Plain numbers compare exactly (``"0.5"`` == ``"1/2"``, ``"12.0"`` == ``"12"``);
-    anything else goes through math-verify (``"\\frac{1}{2}"`` == ``"0.5"``).
-    """
+    """True if ``extracted`` equals ``answer`` as a value: plain numbers exactly as fractions
+    (``"0.5"`` == ``"1/2"``), else symbolically by math-verify (``"\\frac{1}{2}"`` == ``"0.5"``)."""
     left, right = _as_fraction(extracted), _as_fraction(answer)
     if left is not None and right is not None:
         return left == right
@@ -129,11 +97,8 @@ def answers_match(extracted: str, answer: str) -> bool:
 
 
 def parse_count_colour(text: str) -> tuple[int | None, str | None]:
-    """The first count and the first colour word in ``text`` (None where there is none).
-
-    ``"3 red"`` -> ``(3, "red")``; ``"There are Three RED shapes."`` -> ``(3, "red")``;
-    ``"blue"`` -> ``(None, "blue")``; ``"3rd"`` -> ``(None, None)``.
-    """
+    """The first count (1-9 or one..nine) and colour word, any case, None where there is none:
+    ``"Three RED shapes."`` -> ``(3, "red")``."""
     count, colour = _COUNT_RE.search(text), _COLOUR_RE.search(text)
     number = None
     if count:
@@ -148,7 +113,6 @@ class MathGrader(FrozenConfig):
     type: Literal["math"] = "math"
 
     def grade(self, completion: str, answer: str) -> Grade:
-        """Grade one completion against ``answer``; see the module docstring."""
         extracted = extract_answer(completion)
         if extracted is None:
             return Grade(0.0, None)
@@ -162,7 +126,7 @@ class ExactGrader(FrozenConfig):
     ignore_case: bool = False
 
     def grade(self, completion: str, answer: str) -> Grade:
-        """``grade(" Paris\\n", "Paris")`` -> ``Grade(1.0, "Paris")``; empty text -> no answer."""
+        """``grade(" Paris\\n", "Paris")`` -> ``Grade(1.0, "Paris")``."""
         got, want = completion.strip(), str(answer).strip()
         if not got:
             return Grade(0.0, None)
@@ -172,12 +136,12 @@ class ExactGrader(FrozenConfig):
 
 
 class ShapesGrader(FrozenConfig):
-    """Count and colour of a shapes picture (:mod:`molt.tasks.shapes`): 1.0 iff both are right."""
+    """Count and colour of a shapes picture (shapes.py): 1.0 iff both are right."""
 
     type: Literal["shapes"] = "shapes"
 
     def grade(self, completion: str, answer: str) -> Grade:
-        """``grade("three red", "3 red")`` -> ``Grade(1.0, "3 red")``; nothing found -> ``Grade(0.0, None)``."""
+        """``grade("three red", "3 red")`` -> ``Grade(1.0, "3 red")``."""
         got = parse_count_colour(completion)
         extracted = " ".join(str(part) for part in got if part is not None) or None
         return Grade(float(None not in got and got == parse_count_colour(str(answer))), extracted)

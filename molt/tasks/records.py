@@ -1,17 +1,9 @@
-"""Task records and the readers shared by every file-backed task.
+"""Task records, and the readers of file-backed tasks.
 
-A task record is one prompt with its reference answer::
+A record is one prompt with its reference answer, a string::
 
     {"prompt_id": "gsm8k-test-0", "messages": [{"role": "user", "content": "..."}],
      "answer": "18", "task": "gsm8k", "split": "test", ...any other task fields}
-
-``answer`` is always a string (graders compare values, so ``"18"`` == ``18.0``).
-A :class:`RecordSet` holds the records of one file plus the lines that were skipped
-(``skip_malformed``), so nothing is ever lost without a count and a log line.
-
-Readers: :func:`read_jsonl` (one JSON object a line, with a converter per task),
-:func:`read_parquet`, and :func:`generic_record` for files whose rows already carry
-``messages`` (or ``prompt``) and ``answer``.
 """
 
 from __future__ import annotations
@@ -26,17 +18,16 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
-#: Converts one parsed object (and its 0-based row index) into a record; raises
-#: ValueError or KeyError for a malformed row.
+#: (parsed object, 0-based record index) -> record; ValueError, KeyError or TypeError if malformed.
 Converter = Callable[[Mapping[str, Any], int], Record]
 
 
 @dataclass
 class RecordSet:
-    """The records of one task, addressable by index (``record(i)``, 0 <= i < num_records)."""
+    """The records of one file, and a "where: why" per malformed row skipped."""
 
     records: list[Record]
-    skipped: list[str] = field(default_factory=list)  # "path:line N: why", one per skipped row
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def num_records(self) -> int | None:
@@ -47,19 +38,17 @@ class RecordSet:
 
 
 def read_prompts(batch: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``(prompt_id, task)`` of each row of a prompt batch (columns ``prompt_id`` and
-    ``metadata``, the task's JSON, as the dataset source writes them; null -> {})."""
+    """``(prompt_id, task record)`` of each row of a prompt batch (JSON in ``metadata``)."""
     return list(zip(batch.column("prompt_id").to_pylist(),
                     (json.loads(m) if m else {} for m in batch.column("metadata").to_pylist())))
 
 
 def user_messages(content: str) -> list[dict[str, str]]:
-    """A one-turn chat: ``[{"role": "user", "content": content}]``."""
     return [{"role": "user", "content": content}]
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
-    """Return ``messages`` if it is a non-empty list of ``{role, content}`` string dicts.
+    """``messages`` if it is a non-empty list of ``{role, content}`` string dicts.
 
     Raises:
         ValueError: naming the first bad message.
@@ -67,18 +56,17 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"'messages' must be a non-empty list; got {type(messages).__name__}")
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"'messages'[{i}] must be {{'role': str, 'content': str}}; got {m!r:.80}")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"'messages'[{i}] must be {{'role': str, 'content': str}}; "
+                             f"got {m!r:.80}")
     return messages
 
 
 def generic_record(obj: Mapping[str, Any], index: int, *, stem: str, split: str) -> Record:
-    """A record from a row that already has ``messages`` (or ``prompt``) and ``answer``.
-
-    ``prompt_id`` defaults to ``"{stem}-{index}"``, ``task`` to ``stem``, ``split`` to
-    ``split``; every other field is kept. Example: ``{"prompt": "2+2?", "answer": 4}``
-    at index 0 of ``qa.jsonl`` -> ``{"prompt_id": "qa-0", "messages": [{"role": "user",
-    "content": "2+2?"}], "answer": "4", "task": "qa", "split": "train"}``.
+    """A record from a row with ``messages`` (or ``prompt``) and ``answer``, other fields kept:
+    ``{"prompt": "2+2?", "answer": 4}`` at index 0 of ``qa.jsonl`` -> ``{"prompt_id": "qa-0",
+    "messages": [user: "2+2?"], "answer": "4", "task": "qa", "split": split}``.
 
     Raises:
         ValueError: no ``answer``, or neither ``messages`` nor ``prompt``.
@@ -92,8 +80,9 @@ def generic_record(obj: Mapping[str, Any], index: int, *, stem: str, split: str)
     else:
         raise ValueError("missing key 'messages' (or a string 'prompt')")
     extra = {k: v for k, v in obj.items() if k not in ("messages", "prompt")}
-    return {**extra, "prompt_id": str(obj.get("prompt_id", f"{stem}-{index}")), "messages": messages,
-            "answer": str(obj["answer"]), "task": str(obj.get("task", stem)), "split": str(obj.get("split", split))}
+    return {**extra, "prompt_id": str(obj.get("prompt_id", f"{stem}-{index}")),
+            "messages": messages, "answer": str(obj["answer"]), "task": str(obj.get("task", stem)),
+            "split": str(obj.get("split", split))}
 
 
 def _open_checked(path: Path, what: str) -> bytes:
@@ -105,21 +94,17 @@ def _open_checked(path: Path, what: str) -> bytes:
 def _reject(path: Path, line_no: int, why: str, skip_malformed: bool, skipped: list[str]) -> None:
     message = f"{path}:{line_no}: malformed line: {why}"
     if not skip_malformed:
-        raise ValueError(f"{message}; hint: fix the line or set skip_malformed: true to count and skip it")
+        raise ValueError(f"{message}; hint: fix the line or set skip_malformed: true to count and "
+                         "skip it")
     skipped.append(message)
 
 
 def read_jsonl(path: Path, convert: Converter, *, skip_malformed: bool = False) -> RecordSet:
-    """Read a JSON-lines file, one record per non-blank line, through ``convert``.
-
-    Blank lines are ignored. A line that is not UTF-8, not a JSON object, or that
-    ``convert`` rejects is malformed: it raises, or with ``skip_malformed`` it is
-    counted in ``RecordSet.skipped`` and logged. The row index given to ``convert``
-    counts lines that became records, so ids stay dense.
+    """One record per non-blank line, by ``convert``; with ``skip_malformed`` a line that is not
+    UTF-8, not a JSON object, or that ``convert`` rejects is logged and kept in ``skipped``.
 
     Raises:
-        ValueError: ``"{path}:{line}: malformed line: {why}"`` (line numbers from 1),
-            or a missing file.
+        ValueError: ``"{path}:{line}: malformed line: {why}"`` (lines from 1), or a missing file.
     """
     data = _open_checked(path, "jsonl task path")
     records: list[Record] = []
@@ -133,7 +118,8 @@ def read_jsonl(path: Path, convert: Converter, *, skip_malformed: bool = False) 
                 raise ValueError(f"expected a JSON object; got {type(obj).__name__}")
             records.append(convert(obj, len(records)))
         except UnicodeDecodeError as e:
-            _reject(path, line_no, f"not UTF-8 ({e.reason} at byte {e.start})", skip_malformed, skipped)
+            why = f"not UTF-8 ({e.reason} at byte {e.start})"
+            _reject(path, line_no, why, skip_malformed, skipped)
         except json.JSONDecodeError as e:
             _reject(path, line_no, f"bad JSON ({e.msg}, column {e.colno})", skip_malformed, skipped)
         except (ValueError, KeyError, TypeError) as e:
@@ -144,12 +130,10 @@ def read_jsonl(path: Path, convert: Converter, *, skip_malformed: bool = False) 
 
 
 def read_parquet(path: Path, *, split: str, skip_malformed: bool = False) -> RecordSet:
-    """Read a Parquet file of rows with ``messages`` (or ``prompt``) and ``answer``.
-
-    Rows are numbered from 0 in errors (Parquet has no lines).
+    """`generic_record` of each row.
 
     Raises:
-        ValueError: ``"{path}: row {i}: {why}"`` for a bad row (unless skipped), or a
+        ValueError: ``"{path}: row {i}: {why}"`` (rows from 0) unless ``skip_malformed``, or a
             missing file.
     """
     import pyarrow.parquet as pq
@@ -162,7 +146,8 @@ def read_parquet(path: Path, *, split: str, skip_malformed: bool = False) -> Rec
             records.append(generic_record(row, len(records), stem=path.stem, split=split))
         except ValueError as e:
             if not skip_malformed:
-                raise ValueError(f"{path}: row {i}: {e}; hint: fix the row or set skip_malformed: true") from None
+                raise ValueError(f"{path}: row {i}: {e}; hint: fix the row or set "
+                                 "skip_malformed: true") from None
             skipped.append(f"{path}: row {i}: {e}")
     if skipped:
         log.warning("%s: skipped %d malformed row(s); first: %s", path, len(skipped), skipped[0])
@@ -170,7 +155,7 @@ def read_parquet(path: Path, *, split: str, skip_malformed: bool = False) -> Rec
 
 
 class Task(Protocol):
-    """What the dataset source iterates: records by index; ``num_records`` None = unbounded."""
+    """Records by index; ``num_records`` None = unbounded."""
 
     @property
     def num_records(self) -> int | None: ...

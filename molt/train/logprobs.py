@@ -1,31 +1,18 @@
 """Logprobs of target tokens at a sampling temperature, chunked over tokens.
 
-    logp_t = log_softmax(z_t)[y_t] = z_t[y_t] - lse_t,   z_t = h_t W^T / tau,  lse_t = log sum_v exp(z_tv)
+    logp_t = z_t[y_t] - lse_t,   z_t = h_t W^T / tau,   lse_t = log sum_v exp(z_tv)
 
-with h [N, H], W [V, H], y [N], computed ``chunk_tokens`` rows at a time in fp32, so at
-most ``[chunk_tokens, V]`` logits exist at once, in the forward *and* the backward. A
-custom autograd function saves h, W, y and lse [N]; the backward needs the softmax p_t
-of every chunk again:
+with h [N, H], W [V, H], y [N], computed ``chunk_tokens`` rows at a time in fp32, so at most
+[chunk_tokens, V] logits exist at once. The backward recomputes each chunk's p_t from lse:
 
-    d logp_t / d z_t = onehot(y_t) - p_t,   p_t = exp(z_t - lse_t)
-    dz_t = g_t / tau * (onehot(y_t) - p_t)      (g = upstream gradient [N])
-    grad_h = dz @ W,   grad_W = dz^T @ h        (summed over chunks)
+    dz_t = g_t / tau * (onehot(y_t) - p_t),   grad_h = dz @ W,   grad_W = dz^T @ h   (g upstream)
 
-With ``with_entropy``, the forward also gives the entropy of each token's distribution,
-from the same chunk buffer (one more elementwise pass; no gradient flows through it):
+The last chunk's p is kept from the forward and its backward runs first, so one chunk costs no
+recompute. ``with_entropy`` also gives each token's entropy (no gradient):
 
-    H_t = -sum_v p_tv log p_tv = log S_t - sum_v e_tv log e_tv / S_t,   e_tv = exp(z_tv - max_v z_tv),  S_t = sum_v e_tv
+    H_t = log S_t - sum_v e_tv log e_tv / S_t,   e_tv = exp(z_tv - max_v z_tv),   S_t = sum_v e_tv
 
-The last chunk's p is kept from the forward and its backward runs first (then it is
-freed), so only the other chunks recompute their logits: a micro-batch of at most
-``chunk_tokens`` tokens costs the same three vocabulary matmuls as unchunked autograd,
-and the memory peak stays one chunk of logits (the backward of the head runs right after
-the forward, before any other activation is freed).
-
-Example: the full-vocab fp32 logits of 8,000 tokens of a 49,152-token vocabulary take
-1.5 GiB; with chunk_tokens 1024 the peak is 0.2 GiB and the result is identical.
-
-Shape legend: N tokens, n tokens of a chunk, H hidden size, V vocabulary.
+Shape legend: N tokens, n of a chunk, H hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -37,16 +24,14 @@ from torch import Tensor
 
 
 def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """z [n, V] fp32 = (h / tau) W^T, with ``weight`` [V, H] already fp32; the projection runs in
-    fp32 even under bf16 compute, since importance ratios are sensitive to logprob error."""
+    """z [n, V] = (h / tau) W^T in fp32 (``weight`` already fp32) even under bf16 compute:
+    importance ratios are sensitive to logprob error."""
     return (hidden.float() / temperature) @ weight.t()
 
 
 def _logp_lse(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp [n], lse [n], row sums [n]) of ``logits`` [n, V]; leaves exp(z - max z) in ``logits``.
-
-    In place, so a chunk holds one [n, V] buffer: max, exp, sum, as log_softmax does.
-    """
+    """(logp [n], lse [n], row sums [n]) of ``logits`` [n, V]; leaves exp(z - max z) in
+    ``logits`` (in place: a chunk holds one [n, V] buffer)."""
     picked = logits.gather(1, targets[:, None])[:, 0]
     top = logits.amax(1)
     sums = logits.sub_(top[:, None]).exp_().sum(1)
@@ -55,7 +40,7 @@ def _logp_lse(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """Chunked logp of targets; see the module docstring for forward and backward."""
+    """Chunked logp of targets (module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor,  # type: ignore[override]
@@ -79,13 +64,14 @@ class _TargetLogprobs(torch.autograd.Function):
         return out, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor,  # type: ignore[override]
+                 _: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         w, n, tau = weight.float(), hidden.shape[0], ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         starts = list(range(0, n, ctx.chunk_tokens))
-        for start in starts[-1:] + starts[:-1]:  # the kept chunk first, then free it
+        for start in starts[-1:] + starts[:-1]:  # the kept chunk first, then it is freed
             end = start + ctx.chunk_tokens
             h, y, g = hidden[start:end], targets[start:end], grad_out[start:end] / tau
             if ctx.probs is not None:
@@ -110,25 +96,27 @@ def target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
     -> log(e / (e + 1)) = [-0.3133].
 
     Raises:
-        ValueError: temperature <= 0 (config ``temperature``), chunk_tokens < 1.
+        ValueError: temperature <= 0, chunk_tokens < 1.
     """
-    return target_logprobs_entropy(hidden, weight, targets, temperature, chunk_tokens, with_entropy=False)[0]
+    return target_logprobs_entropy(hidden, weight, targets, temperature, chunk_tokens,
+                                   with_entropy=False)[0]
 
 
 def target_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                            chunk_tokens: int = 1024, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
-    """(`target_logprobs` [N], entropy [N] fp32 in nats of each row's distribution, no gradient;
-    [0] without ``with_entropy``).
+                            chunk_tokens: int = 1024,
+                            with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """(`target_logprobs` [N], entropy [N] in nats, no gradient; [0] without ``with_entropy``).
 
     Example: the one above -> ([-0.3133], [0.5822]) (-p log p - q log q, p = e / (e + 1)).
 
     Raises:
-        ValueError: temperature <= 0 (config ``temperature``), chunk_tokens < 1.
+        ValueError: temperature <= 0, chunk_tokens < 1.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0; got {temperature}; hint: the pipeline's "
-                         "policy.temperature is the rollout's sampling temperature (greedy rollouts cannot be trained)")
+                         "policy.temperature is the rollout's sampling temperature (greedy "
+                         "rollouts cannot be trained)")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1; got {chunk_tokens}")
-    return _TargetLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens,  # type: ignore[no-any-return]
-                                 with_entropy)
+    return _TargetLogprobs.apply(  # type: ignore[no-any-return]
+        hidden, weight, targets, temperature, chunk_tokens, with_entropy)

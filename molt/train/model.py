@@ -1,19 +1,9 @@
 """The policy model on a data-parallel group: load, FSDP2-wrap, packed logprobs, export.
 
-`PolicyModel` wraps a Hugging Face causal LM so that one forward of a packed sequence
-returns the logprob of every next token (``molt.train.logprobs``, chunked over
-tokens) instead of full-vocabulary logits; attention runs row by row
-(``molt.train.attention``). On more than one rank (or in bf16) it is sharded with FSDP2
-(``torch.distributed.fsdp.fully_shard``): each decoder layer, then the wrapper, which
-owns the embedding, final norm and (tied) head. Gradients are *averaged* across
-ranks by the reduce-scatter, so the caller multiplies each loss share by the world
-size to get the summed gradient (molt.algorithms.aggregation).
-
-Process group: under torchrun the worker has already called
-``init_process_group``; in a single process (world size 1, tests, bench)
-`ensure_process_group` starts a one-rank gloo group on an in-memory store.
-Devices: CPU with gloo; CUDA with NCCL (``device: cuda``: rank r on GPU LOCAL_RANK),
-tested at world size 1 on one GPU (tests/test_gpu_train.py, marker ``gpu``).
+`PolicyModel` wraps a Hugging Face causal LM so that a packed forward returns each next token's
+logprob (molt.train.logprobs), attention row by row (molt.train.attention). On more than one
+rank, or in bf16, FSDP2 shards each decoder layer, then the wrapper; its reduce-scatter
+*averages* gradients, so the caller multiplies each loss share by the world size.
 """
 
 from __future__ import annotations
@@ -30,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from molt.runtime.memory import release_freed_memory
+from molt.models.images import (VisionInputs, VisionProcessor, mrope_positions,
+                                packed_vision_inputs, row_images)
 from molt.models.layout import checkpoint_layout, checkpoint_shapes
-from molt.models.images import VisionInputs, VisionProcessor, mrope_positions, packed_vision_inputs, row_images
-from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa, row_lengths,
-                                  supports_packed_sdpa)
-from molt.train.logprobs import target_logprobs, target_logprobs_entropy
 from molt.policy import LoraConfig
+from molt.runtime.memory import release_freed_memory
+from molt.train.attention import (NAME as PACKED_SDPA, register as register_packed_sdpa,
+                                  row_lengths, supports_packed_sdpa)
+from molt.train.logprobs import target_logprobs, target_logprobs_entropy
 from molt.train.lora import apply_lora, is_adapter, merge_lora
 from molt.train.moe import RouterHooks, fp32_router_policy, packed_engine_routing, routers
 from molt.train.packing import PackedSequence, pack_sequences
@@ -47,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_process_group(device: str = "cpu") -> None:
-    """Start a one-rank process group (gloo; gloo for CPU and nccl for CUDA tensors on cuda) unless one exists."""
+    """Start a one-rank process group unless one exists (gloo; on cuda, nccl for CUDA tensors)."""
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
@@ -58,7 +49,7 @@ def resolve_device(device: str) -> str:
     """The torch device a rank trains on: "cpu", or "cuda" -> "cuda:LOCAL_RANK" made current.
 
     Raises:
-        ValueError: a CUDA device without CUDA (YAML key ``device``), or an unknown device type.
+        ValueError: a CUDA device without CUDA, or an unknown device type.
     """
     kind = device.split(":")[0]
     if kind == "cpu":
@@ -66,14 +57,15 @@ def resolve_device(device: str) -> str:
     if kind != "cuda":
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
     if not torch.cuda.is_available():
-        raise ValueError(f"device is {device!r} but torch {torch.__version__} sees no CUDA device; hint: device: cpu")
+        raise ValueError(f"device is {device!r} but torch {torch.__version__} sees no CUDA device; "
+                         "hint: device: cpu")
     index = int(device.split(":")[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(index)
     return f"cuda:{index}"
 
 
 def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo)."""
+    """Whether /proc/cpuinfo lists AVX512-BF16 or AMX-BF16 (bf16 matmuls in hardware)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -82,69 +74,49 @@ def native_bf16_cpu() -> bool:
 
 
 def check_compute_dtype(compute_dtype: str, device: str) -> None:
-    """Refuse an unknown dtype; warn of bf16 on a CPU without native bf16 matrix instructions.
-
-    Measured on an AVX2-only CPU (torch 2.13): bf16 matmuls ran at 1-19 GFLOP/s against
-    47-68 for fp32 (one thread), a train step 5-40x slower; with AVX512-BF16 bf16 was about
-    3x fp32.
+    """Refuse an unknown dtype; warn of bf16 on a CPU without native bf16 matmuls.
 
     Raises:
-        ValueError: an unknown dtype (YAML key ``compute_dtype``, or ``policy.precision``).
+        ValueError: an unknown dtype.
     """
     if compute_dtype not in DTYPES:
         raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}; got {compute_dtype!r}")
     if compute_dtype == "bfloat16" and device == "cpu" and not native_bf16_cpu():
-        logger.warning("bf16 training on a CPU without AVX512-BF16/AMX: steps run 5-40x slower than in fp32; "
-                       "hint: policy.precision: float32")
+        logger.warning("bf16 training on a CPU without AVX512-BF16/AMX: steps run 5-40x slower "
+                       "than in fp32; hint: policy.precision: float32")
 
 
 class PolicyModel(nn.Module):
-    """A causal LM whose forward maps a packed sequence to next-token logprobs [S].
-
-    ``router_hooks``: a MoE model's molt.train.moe.RouterHooks (expert load, router
-    logits of the latest forward); None for a dense model. ``vision``: a vision-language
-    model's processor (molt.models.images), None for a text-only model.
-    """
+    """A causal LM whose forward maps a packed sequence to next-token logprobs [S]; ``router_hooks``
+    of a MoE and ``vision`` processor of a VLM are None otherwise."""
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024,
                  vision: VisionProcessor | None = None) -> None:
         super().__init__()
-        self.lm, self.temperature, self.chunk_tokens, self.vision = lm, temperature, chunk_tokens, vision
+        self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+        self.vision = vision
         self.router_hooks = RouterHooks(lm) if routers(lm) else None
-        self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded (`full_state_dict`)
-        self.lora: LoraConfig | None = None  # `add_lora`
-        self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward (`forward`)
+        self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the folder loaded
+        self.lora: LoraConfig | None = None
+        self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward
 
     def add_lora(self, config: LoraConfig, where: str = "lora") -> None:
-        """Train adapters instead (molt.train.lora.apply_lora); weights leaving the trainer are then merged."""
+        """Train adapters instead (molt.train.lora.apply_lora)."""
         apply_lora(self.lm, config, where)
         self.lora = config
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether attention runs through molt_packed_sdpa, which honours shared-prompt segments."""
+        """Whether attention is molt_packed_sdpa, which honours shared-prompt segments."""
         text_config = self.lm.config.get_text_config()  # type: ignore[operator, union-attr]
         return bool(getattr(text_config, "_attn_implementation", None) == PACKED_SDPA)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, packed: PackedSequence | None = None,
                 loss_masks: Sequence[Sequence[bool]] | None = None,
                 vision_inputs: VisionInputs | None = None) -> Tensor:
-        """Next-token logprobs, fp32, on the model's device.
-
-        Without ``packed``: logp [S] of token t given the tokens before it in its own row
-        (rows found by position restarts), 0 at each row's first token; ``input_ids``,
-        ``position_ids`` [1, S] (any device).
-        With ``packed`` (molt.train.packing.PackedSequence, whose ``input_ids`` and
-        ``position_ids`` are the first two arguments): logp [sum of row lengths], rows in
-        order, following ``packed.segments`` (shared prompts forwarded once); only the
-        ``loss_masks`` tokens are projected onto the vocabulary (others are 0), and
-        ``self.entropy`` [sum of row lengths] holds the entropy (nats, no gradient) of the
-        sampling distribution at those tokens (0 elsewhere; molt.train.logprobs).
-        ``vision_inputs``: the images whose tokens ``input_ids`` hold (a vision-language model
-        and ``packed``; molt.models.images.packed_vision_inputs). A model with multimodal RoPE
-        (Qwen-VL) gets position ids [4, 1, S]: the packed positions (row boundaries for
-        attention) over each row's (t, h, w) positions (`mrope_packed`).
-        """
+        """Next-token logprobs, fp32, of ``input_ids`` [1, S]; 0 at a row's first token. Without
+        ``packed``: [S]. With it: [sum of row lengths], nonzero only at the ``loss_masks`` tokens,
+        where ``self.entropy`` gets the entropy (nats, no gradient)."""
         device = next(self.parameters()).device
         if packed is None:
             kwargs: dict[str, Any] = {"molt_row_lengths": row_lengths(position_ids[0].cpu())}
@@ -162,18 +134,19 @@ class PolicyModel(nn.Module):
                                use_cache=False, **kwargs).last_hidden_state[0]  # [S, H]
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]
         if packed is None:
-            logp = target_logprobs(hidden[:-1], weight, input_ids[0, 1:], self.temperature, self.chunk_tokens)
+            logp = target_logprobs(hidden[:-1], weight, input_ids[0, 1:], self.temperature,
+                                   self.chunk_tokens)
             first = (position_ids[0, 1:] == 0)  # the token starts a new row: no prediction for it
             return torch.cat([logp.new_zeros(1), torch.where(first, 0.0, logp)])
         pred, target, slot = (t.to(device) for t in packed.targets(loss_masks))
-        logp, entropy = target_logprobs_entropy(hidden[pred], weight, target, self.temperature, self.chunk_tokens)
-        self.entropy = torch.zeros(sum(packed.lengths), device=device).index_put((slot,), entropy)
-        return torch.zeros(sum(packed.lengths), device=device).index_put((slot,), logp)
+        logp, entropy = target_logprobs_entropy(hidden[pred], weight, target, self.temperature,
+                                                self.chunk_tokens)
+        size = sum(packed.lengths)
+        self.entropy = torch.zeros(size, device=device).index_put((slot,), entropy)
+        return torch.zeros(size, device=device).index_put((slot,), logp)
 
     def mrope_packed(self, packed: PackedSequence, vision_inputs: VisionInputs) -> Tensor | None:
-        """[3, 1, S] multimodal RoPE positions of a packed sequence (molt.models.images.mrope_positions of
-        each row, written at its packed positions: a shared prompt gets the same values from each of
-        its rows); None for a model without multimodal RoPE."""
+        """[3, 1, S] multimodal RoPE positions of each row at its packed positions, or None."""
         rope_index = getattr(self.lm.model, "get_rope_index", None)
         grids = vision_inputs.tensors.get("image_grid_thw")
         if rope_index is None or grids is None or self.vision is None:
@@ -182,41 +155,38 @@ class PolicyModel(nn.Module):
         offset = 0
         for length, images in zip(packed.lengths, vision_inputs.row_images):
             index = packed.token_index[offset:offset + length]
-            out[:, index] = mrope_positions(rope_index, packed.input_ids[0, index], self.vision.image_token_id,
-                                            grids[images])
+            out[:, index] = mrope_positions(rope_index, packed.input_ids[0, index],
+                                            self.vision.image_token_id, grids[images])
             offset += length
         return out[:, None]
 
-
     def rows_forward(self, mb: pa.RecordBatch, mask: Tensor, replay: bool = False,
                      compare: bool = False) -> RowsForward:
-        """One packed forward of a micro-batch's rows, all a model family needs done in one place:
-        shared prompts forwarded once where attention allows (`shares_prompts`), a VLM's images in
-        packed order (molt.models.images), a MoE's router hooks given the engine's experts (column
-        ``routed_experts``; ``replay``: route by them, R3) and, with ``compare``, one more no-grad
-        forward with replay the other way. ``mask``: the rows' loss masks [B, T] (bool).
+        """One packed forward of a micro-batch (loss masks ``mask`` [B, T]); ``compare``: one more
+        no-grad forward with routing ``replay`` the other way.
 
         Raises:
-            ValueError: images that do not match the rows (molt.models.images), or recorded experts the
-                model does not have (molt.train.moe.packed_engine_routing).
+            ValueError: images not matching the rows, or recorded experts the model lacks.
         """
-        loss_masks, rows, sample_ids = (mb.column(c).to_pylist() for c in ("loss_mask", "token_ids", "sample_id"))
+        loss_masks, rows, sample_ids = (mb.column(c).to_pylist()
+                                        for c in ("loss_mask", "token_ids", "sample_id"))
         images = row_images(mb)
         packed = pack_sequences(rows, loss_masks if self.shares_prompts else None, images)
         vision = packed_vision_inputs(self.vision, rows, images, sample_ids, packed.token_index)
         hooks = self.router_hooks
         if hooks is not None and "routed_experts" in mb.schema.names:
-            hooks.engine_routing = packed_engine_routing(mb.column("routed_experts").to_pylist(), sample_ids,
-                                                         packed.lengths, packed.token_index,
-                                                         packed.input_ids.shape[1], hooks)
+            hooks.engine_routing = packed_engine_routing(
+                mb.column("routed_experts").to_pylist(), sample_ids, packed.lengths,
+                packed.token_index, packed.input_ids.shape[1], hooks)
             hooks.replay = replay
 
         def logp() -> Tensor:  # [B, T]
-            return _unpack(self(packed.input_ids, packed.position_ids, packed, loss_masks, vision), packed, mask)
+            flat = self(packed.input_ids, packed.position_ids, packed, loss_masks, vision)
+            return _unpack(flat, packed, mask)
 
         try:
             out = RowsForward(logp(), None, None, None)
-            out.entropy = _unpack(self.entropy, packed, mask)  # type: ignore[arg-type]  # of this forward
+            out.entropy = _unpack(self.entropy, packed, mask)  # type: ignore[arg-type]
             if hooks is not None:
                 out.aux = hooks.aux_loss()
                 if compare:  # the other replay setting, without counting its load
@@ -231,16 +201,15 @@ class PolicyModel(nn.Module):
                 hooks.engine_routing = None
 
     def dummy_forward(self, compare: bool = False) -> Tensor:
-        """A zero loss through a 2-token forward (then a no-grad one with ``compare``, as `rows_forward`
-        does): a rank without rows keeps FSDP (and expert-parallel) collectives in step with the others;
-        MoE load counts leave it out."""
+        """A zero loss through a 2-token forward (and a no-grad one with ``compare``), so a rank
+        without rows keeps its collectives in step; MoE load counts skip it."""
         packed = pack_sequences([[0, 0]])
         hooks = self.router_hooks
         if hooks is not None:
             hooks.active = False
         try:
             loss = self(packed.input_ids, packed.position_ids).sum() * 0.0
-            if hooks is not None and compare:  # expert-parallel all-to-alls pair with the other ranks' forwards
+            if hooks is not None and compare:  # expert-parallel all-to-alls pair with other ranks'
                 with torch.no_grad():
                     self(packed.input_ids, packed.position_ids)
             return loss
@@ -255,25 +224,21 @@ class RowsForward:
 
     logp: Tensor  # logprobs of the loss tokens (with gradient), 0 elsewhere
     entropy: Tensor | None  # of the sampling distribution at the loss tokens (nats, no gradient)
-    aux: Tensor | None  # MoE: this forward's load-balancing loss (0-dim, with gradient); None if dense
+    aux: Tensor | None  # MoE: this forward's load-balancing loss (0-dim, with gradient)
     other: Tensor | None  # MoE with compare: logp with routing replay the other way (no gradient)
 
 
 def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
     """[B, T] (0 past a row's end) of values [sum lengths] of the packed rows in order."""
     dev = flat.device
-    valid = torch.arange(mask.shape[1], device=dev)[None, :] < torch.tensor(packed.lengths, device=dev)[:, None]
+    lengths = torch.tensor(packed.lengths, device=dev)[:, None]
+    valid = torch.arange(mask.shape[1], device=dev)[None, :] < lengths
     return torch.zeros(mask.shape, device=dev).masked_scatter(valid, flat)
 
-def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
-    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode.
 
-    A model on transformers' ``sdpa`` attention whose layers are all plain causal
-    attention switches to molt.train.attention's per-row ``molt_packed_sdpa`` (no
-    ``[S, S]`` mask for a packed sequence). A vision-language folder (with
-    ``processor_config.json``) loads through ``AutoModelForImageTextToText``; only its
-    language model switches (the vision tower's attention is bidirectional).
-    """
+def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
+    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode; plain
+    causal ``sdpa`` attention (a VLM's language model only) becomes ``molt_packed_sdpa``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     vision = VisionProcessor.of(model_dir)
@@ -282,44 +247,29 @@ def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1
     lm.config.use_cache = False
     text = lm.config.get_text_config()
     if supports_packed_sdpa(text) and text._attn_implementation == "sdpa":
-        lm.set_attn_implementation({"text_config": register_packed_sdpa()} if vision else register_packed_sdpa())
+        name = register_packed_sdpa()
+        lm.set_attn_implementation({"text_config": name} if vision else name)
     model = PolicyModel(lm, temperature, chunk_tokens, vision)
     model.checkpoint_shapes = checkpoint_shapes(model_dir)  # the layout exports are written in
-    release_freed_memory()  # the loader's copies: 1.5 GB of the VLM MoE's 3.3 GB
+    release_freed_memory()  # the loader's copies
     return model.train()
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM (``model.layers``) or of a VLM's language model
-    (``model.language_model.layers``)."""
+    """``model.layers`` of a causal LM, ``model.language_model.layers`` of a VLM."""
     base = cast(nn.Module, lm.model)
     return cast(nn.ModuleList, getattr(base, "language_model", base).layers)
 
 
 def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu",
                  expert_parallel_size: int = 1) -> PolicyModel:
-    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper (root), over all ranks (if > 1).
-
-    ``compute_dtype`` "bfloat16" casts parameters to bf16 for compute while the sharded
-    master weights, gradients' reduction and the optimizer stay fp32
-    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); MoE routers are sharded
-    on their own and compute in fp32 (molt.train.moe).
-
-    One rank in fp32 is left unwrapped (as torchtitan applies FSDP only when the data-
-    parallel shard degree is > 1): the shard is the whole parameter, the cast is the
-    identity and the reduce-scatter a sum over one rank, so the arithmetic is the same,
-    while FSDP2 would still copy every parameter into its unsharded buffer twice a step
-    and every gradient through its reduce-scatter buffers (about 15% of a step of the
-    default model on CPU). The caller sees plain tensors instead of DTensors; state
-    dicts through torch.distributed.checkpoint.state_dict work on both.
-
-    ``device`` "cuda" puts rank r on GPU LOCAL_RANK (`resolve_device`); ``compute_dtype``
-    is checked by `check_compute_dtype`. ``expert_parallel_size`` > 1 (= the world
-    size) shards a MoE model's experts across the ranks instead (molt.train.expert_parallel).
+    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper; "bfloat16" computes in bf16
+    over fp32 master weights; one rank in fp32 is left unwrapped (the same arithmetic, as in
+    torchtitan); ``expert_parallel_size`` = the world size shards a MoE's experts.
 
     Raises:
-        ValueError: unknown ``compute_dtype`` (YAML key ``compute_dtype``) or ``device``; an
-            ``expert_parallel_size`` other than 1 or the world size, or a model it cannot shard.
+        ValueError: unknown ``compute_dtype`` or ``device``; an ``expert_parallel_size`` other
+            than 1 or the world size, or a model it cannot shard.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -334,7 +284,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
         raise ValueError(f"expert_parallel_size must be 1 or the train stage's world size {world}; "
                          f"got {expert_parallel_size}")
     if world == 1 and compute_dtype == "float32":
-        return model  # nothing to shard, cast or reduce: fully_shard would only add copies
+        return model  # nothing to shard, cast or reduce
     mesh = init_device_mesh(device.split(":")[0], (world,))
     experts: set[nn.Parameter] = set()
     if expert_parallel_size > 1:
@@ -342,7 +292,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
 
         experts = shard_experts(model.lm, mesh, "expert_parallel_size")
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
-    for router in routers(model.lm):  # MoE: routing stays fp32 (molt.train.moe)
+    for router in routers(model.lm):  # MoE: routing stays fp32
         fully_shard(router, mesh=mesh, mp_policy=fp32_router_policy())
     for layer in decoder_layers(model.lm):
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=experts)
@@ -351,12 +301,8 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
 
 
 def export_names(model: PolicyModel) -> dict[str, str]:
-    """Map of wrapper state-dict names (a LoRA model's merged ones, molt.train.lora.merge_lora) to the HF
-    names the model folder uses.
-
-    Drops ``lm.`` and, when embeddings are tied, ``lm_head.weight`` (the HF folder
-    stores only ``model.embed_tokens.weight``; engines tie it back on load).
-    """
+    """Wrapper state-dict names (a LoRA model's merged ones) -> the HF folder's: no ``lm.``, and
+    no ``lm_head.weight`` with tied embeddings."""
     tied = bool(getattr(model.lm.config, "tie_word_embeddings", False))
     names = {}
     for name in model.state_dict():
@@ -370,23 +316,18 @@ def export_names(model: PolicyModel) -> dict[str, str]:
 
 
 def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
-    """Full CPU state dict under the names and layout of the model's HF checkpoint (`checkpoint_state`);
-    a collective: every rank must call it. Uses ``get_model_state_dict(full_state_dict=True,
-    cpu_offload=True)``, so only rank 0 gets tensors (other ranks get an empty dict)."""
+    """Full CPU state dict in the HF checkpoint's names and layout (`checkpoint_state`); a
+    collective: every rank calls it, rank 0 gets the tensors, the others an empty dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return checkpoint_state(model, cast(dict[str, Tensor], get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)
+    return checkpoint_state(model, cast(dict[str, Tensor], full))
 
 
 def checkpoint_state(model: PolicyModel, full: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``model``'s full state dict ``full`` (the wrapper's names) under the names and layout of its HF
-    checkpoint, as ``save_pretrained`` writes them: transformers' ``revert_weight_conversion`` (e.g. a
-    Mixtral's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes the per-expert
-    ``block_sparse_moe.experts.N.w1/w3.weight [I, H]``, a LLaVA's ``model.language_model.X`` its
-    ``language_model.model.X``: the names engines load), tensors the folder stores transposed back in its
-    layout (`checkpoint_layout`), a LoRA model's adapters merged into the weights they adapt
-    (molt.train.lora.merge_lora)."""
+    """``full`` (the wrapper's names) as ``save_pretrained`` writes the HF checkpoint: adapters
+    merged, names and fused experts reverted, tensors in the folder's layout."""
     from transformers.core_model_loading import revert_weight_conversion
 
     if model.lora is not None:

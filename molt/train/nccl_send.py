@@ -1,6 +1,5 @@
-"""The trainer's end of an NCCL refit (molt.engines.nccl_transfer has the engine's): rank 0 broadcasts
-the full state dict to every engine worker through vLLM 0.32's trainer weight-transfer engine, after
-the weight record told the engines what comes (molt.train.publish). Unverified on a GPU.
+"""The trainer's end of an NCCL refit (the engine's: molt.engines.nccl_transfer): rank 0
+broadcasts the state dict to the engine workers through vLLM's weight-transfer engine.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class StateDictSource(WeightSource):
-    """vLLM ``WeightSource`` over rank 0's full HF-named state dict, moved to ``device`` as sent."""
+    """vLLM ``WeightSource`` over rank 0's full state dict, moved to ``device`` as sent."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -36,13 +35,12 @@ class StateDictSource(WeightSource):
 class RecordDrivenClient:
     """A ``VLLMWeightSyncClient`` whose four calls do nothing: the engines act on the record."""
 
-    init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = staticmethod(
-        lambda *args, **kwargs: None)
+    init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = (
+        staticmethod(lambda *args, **kwargs: None))
 
 
 class NCCLSender:
-    """The trainer's end (train rank 0, molt.train.publish). Unverified on a GPU. ``device``
-    defaults to the current CUDA device, read here: the send runs on a thread that starts on 0."""
+    """The trainer's end, on train rank 0 (``device``: by default the current CUDA device)."""
 
     def __init__(self, transport: NCCLTransport, device: torch.device | None = None) -> None:
         self.transport = transport
@@ -51,13 +49,15 @@ class NCCLSender:
         self._engine: TrainerWeightTransferEngine | None = None
 
     def record_fields(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The record's ``format``, ``uri``, ``tensor_dtypes`` and ``tensor_shapes`` for ``state``."""
+        """The record's ``format``, ``uri``, ``tensor_dtypes`` and ``tensor_shapes``."""
         return {"format": "nccl", "uri": transfer_uri(self.transport), **tensor_layout(state)}
 
     def send(self, state: dict[str, torch.Tensor]) -> None:
-        """Broadcast ``state`` to every engine worker after its record went out; blocks (use
-        ``asyncio.to_thread`` in a stage loop). RuntimeError if the engines did not take it within
-        ``timeout_s`` (the NCCL group is then stuck) or vLLM's send failed (its error chained)."""
+        """Broadcast ``state`` to every engine worker after its record went out; blocks.
+
+        Raises:
+            RuntimeError: the engines did not take it within ``timeout_s``, or the send failed.
+        """
         self.source.state = state
         errors: list[BaseException] = []
 
@@ -75,12 +75,15 @@ class NCCLSender:
         thread.start()
         thread.join(self.transport.timeout_s)
         if thread.is_alive():
-            raise RuntimeError(f"NCCL weight transfer not taken within {self.transport.timeout_s:g} s; the "
-                               f"engines did not join ({transfer_uri(self.transport)}); hint: check that every "
-                               "rollout replica has engine.transport {type: nccl} and is still reading weights, and "
-                               "that num_engine_workers is the rollout's replicas x tensor_parallel_size")
+            raise RuntimeError(f"NCCL weight transfer not taken within "
+                               f"{self.transport.timeout_s:g} s; the engines did not join "
+                               f"({transfer_uri(self.transport)}); hint: "
+                               "check that every rollout replica has engine.transport {type: nccl} "
+                               "and is still reading weights, and that num_engine_workers is the "
+                               "rollout's replicas x tensor_parallel_size")
         if errors:
-            raise RuntimeError(f"NCCL weight transfer failed on the trainer: {errors[0]!r}") from errors[0]
+            raise RuntimeError(f"NCCL weight transfer failed on the trainer: "
+                               f"{errors[0]!r}") from errors[0]
 
     def _open(self) -> TrainerWeightTransferEngine:
         """vLLM's trainer engine: rendezvous with every engine worker (blocks until they join)."""
@@ -88,10 +91,12 @@ class NCCLSender:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         t = self.transport
-        info = NCCLTrainerInitInfo(master_address(t), t.master_port, world_size=t.num_engine_workers + 1, rank=0,
-                                   packed=t.packed, packed_buffer_size_bytes=t.buffer_mib * 2**20,
+        info = NCCLTrainerInitInfo(master_address(t), t.master_port,
+                                   world_size=t.num_engine_workers + 1, rank=0, packed=t.packed,
+                                   packed_buffer_size_bytes=t.buffer_mib * 2**20,
                                    packed_num_buffers=t.num_buffers)
-        return WeightTransferTrainerFactory.trainer_init(info, client=RecordDrivenClient(), source=self.source)
+        return WeightTransferTrainerFactory.trainer_init(info, client=RecordDrivenClient(),
+                                                         source=self.source)
 
     def close(self) -> None:
         """Destroy the NCCL group; idempotent."""

@@ -1,24 +1,13 @@
-"""Step planning and sequence packing: which rows go to which rank and micro-batch,
-and how one micro-batch becomes one packed sequence.
+"""Step planning (rows to ranks and micro-batches) and sequence packing.
 
-Planning (`plan_step`), for one optimizer step of N rows with token counts ``n_i``:
+`plan_step`: 1) rows longest first, each to the rank with the fewest tokens so far (LPT; ties to
+the lowest rank); 2) per rank, first-fit decreasing into micro-batches of at most ``max_tokens``
+tokens (a longer row alone); 3) every rank gets the same number M of micro-batches. Rows are
+never split. Example: lengths [5, 4, 3, 2], world_size 2, max_tokens 6 -> dp_rank [0, 1, 1, 0],
+micro_batch [0, 0, 1, 1], M = 2.
 
-1. Ranks: rows sorted by length, longest first, each to the data-parallel rank with
-   the fewest tokens so far (LPT greedy; ties to the lowest rank). A row is never split.
-2. Micro-batches, per rank: first-fit decreasing into bins of at most
-   ``max_tokens`` tokens; a row longer than ``max_tokens`` gets a bin of its own.
-3. Every rank gets the same number ``M`` of micro-batches (the most any rank needs);
-   a rank with fewer has empty ones at the end, which the trainer runs as a one-token
-   dummy forward/backward with zero loss (FSDP collectives must match across ranks).
-
-Example: lengths [5, 4, 3, 2], world_size 2, max_tokens 6 -> dp_rank [0, 1, 1, 0]
-(7 tokens each); rank 0's rows (5, 2) and rank 1's rows (4, 3) do not fit one bin of 6,
-so micro_batch [0, 0, 1, 1] and M = 2.
-
-Packing (`pack_sequences`): the rows of one micro-batch are concatenated into one
-sequence ``[1, S]`` with ``position_ids`` restarting at 0 for every row; transformers
-derives a block-diagonal causal mask from the restarts (no row attends to another).
-Example: rows [7, 8, 9] and [4, 5] -> input_ids [[7, 8, 9, 4, 5]],
+`pack_sequences` concatenates a micro-batch's rows into one sequence [1, S] whose
+``position_ids`` restart at 0 per row: rows [7, 8, 9] and [4, 5] -> input_ids [[7, 8, 9, 4, 5]],
 position_ids [[0, 1, 2, 0, 1]], starts [0, 3].
 """
 
@@ -32,7 +21,7 @@ import torch
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Placement of every row of a step: ``dp_rank[i]``, ``micro_batch[i]``; ``M`` per rank."""
+    """Placement of every row of a step: ``dp_rank[i]``, ``micro_batch[i]``; M per rank."""
 
     dp_rank: list[int]
     micro_batch: list[int]
@@ -40,13 +29,10 @@ class StepPlan:
 
 
 def balance_ranks(lengths: Sequence[int], world_size: int) -> list[int]:
-    """Rank of each row: longest first, each to the rank with the fewest tokens (LPT).
-
-    Example: [5, 4, 3, 2] over 2 ranks -> [0, 1, 1, 0] (7 tokens each).
-    """
+    """Rank of each row (step 1 of the module docstring)."""
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}; hint: set pack's world_size "
-                         "to the train stage's world_size")
+        raise ValueError(f"world_size must be >= 1; got {world_size}; hint: set pack's "
+                         "world_size to the train stage's world_size")
     totals = [0] * world_size
     ranks = [0] * len(lengths)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -57,11 +43,7 @@ def balance_ranks(lengths: Sequence[int], world_size: int) -> list[int]:
 
 
 def fill_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[int]:
-    """Bin of each row: first-fit decreasing into bins of <= max_tokens tokens.
-
-    A row longer than ``max_tokens`` is placed alone (never split).
-    Example: [3, 5, 2, 4], max_tokens 6 -> bins {5}, {4, 2}, {3} -> [2, 0, 1, 1].
-    """
+    """Bin of each row (step 2). Example: [3, 5, 2, 4], max_tokens 6 -> [2, 0, 1, 1]."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1; got {max_tokens}")
     used: list[int] = []
@@ -77,11 +59,7 @@ def fill_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[int]:
 
 
 def plan_step(lengths: Sequence[int], world_size: int, max_tokens: int) -> StepPlan:
-    """Place every row of one step on a rank and a micro-batch (module docstring).
-
-    Example: [5, 4, 3, 2], world_size 2, max_tokens 6 -> dp_rank [0, 1, 1, 0],
-    micro_batch [0, 0, 1, 1], num_micro_batches 2.
-    """
+    """Place every row of one step on a rank and a micro-batch (module docstring)."""
     ranks = balance_ranks(lengths, world_size)
     micro = [0] * len(lengths)
     num = 1
@@ -96,14 +74,9 @@ def plan_step(lengths: Sequence[int], world_size: int, max_tokens: int) -> StepP
 
 def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None,
                  prompt_keys: Sequence[object] | None = None) -> list[tuple[list[int], int]]:
-    """Rows that share their prompt, as (row indices, shared prefix length P), in first-appearance order.
-
-    A row's prompt is its tokens before its first ``loss_mask`` token. Rows with the same
-    prompt tokens (and the same ``prompt_keys`` entry, e.g. the row's images, when given),
-    each longer than it, form one unit that is forwarded as the prompt once
-    plus every row's rest (`pack_sequences`); any other row is a unit of its own with P 0.
-    Example: rows [1, 2, 7], [1, 2, 8, 9], [3, 4] with masks [F, F, T], [F, F, T, T],
-    [F, T] -> [([0, 1], 2), ([2], 0)].
+    """(row indices, shared prompt length P) of rows with the same prompt (tokens before the
+    first loss token) and ``prompt_keys``. Example: rows [1, 2, 7], [1, 2, 8, 9], [3, 4], masks
+    [F, F, T], [F, F, T, T], [F, T] -> [([0, 1], 2), ([2], 0)].
     """
     if loss_masks is None:
         return [([i], 0) for i in range(len(rows))]
@@ -112,7 +85,7 @@ def prefix_units(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bo
     for i, (row, mask) in enumerate(zip(rows, loss_masks)):
         prompt = next((j for j, m in enumerate(mask) if m), len(row))
         if 1 <= prompt < len(row):
-            key = (*row[:prompt], prompt_keys[i]) if prompt_keys is not None else tuple(row[:prompt])
+            key = tuple(row[:prompt]) if prompt_keys is None else (*row[:prompt], prompt_keys[i])
             if key not in units:
                 units[key] = []
                 order.append(key)
@@ -136,14 +109,9 @@ def unit_tokens(rows: Sequence[Sequence[int]], units: list[tuple[list[int], int]
 
 @dataclass(frozen=True)
 class PackedSequence:
-    """One micro-batch as one sequence.
-
-    input_ids, position_ids [1, S]; ``lengths`` [R] the rows' token counts (in row order);
-    ``segments`` the attention segments in order, each (length, P, suffix lengths): P 0 is
-    one row attending causally to itself, P > 0 a shared prompt of P tokens followed by
-    each row's rest, which attends to the prompt and causally to itself (positions
-    continue at P). ``token_index`` [sum lengths] is the packed position of every row
-    token, rows in order; ``starts`` [R] where each row's first token is.
+    """One micro-batch as one sequence [1, S]; ``token_index`` [sum lengths]: each row token's
+    position. ``segments``: (length, P, rest lengths): one causal row (P 0), or a shared prompt
+    then each row's rest, attending to the prompt and causally to itself.
     """
 
     input_ids: torch.Tensor
@@ -154,7 +122,7 @@ class PackedSequence:
     token_index: torch.Tensor
 
     def attention_masks(self, device: torch.device | str) -> list[tuple[int, torch.Tensor | None]]:
-        """(length, mask) per segment: None for a causal row, else a boolean [L, L] (True = attend)."""
+        """(length, mask) per segment: None for a causal row, else bool [L, L] (True = attend)."""
         out: list[tuple[int, torch.Tensor | None]] = []
         for length, prefix, parts in self.segments:
             if not prefix:
@@ -169,10 +137,10 @@ class PackedSequence:
             out.append((length, mask.to(device)))
         return out
 
-    def targets(self, loss_masks: Sequence[Sequence[bool]] | None = None) -> tuple[torch.Tensor, ...]:
-        """(pred, target, slot) [N]: token ``input_ids[slot]`` of the flat row-major token list is
-        predicted by the hidden state at packed position ``pred``; every token but a row's first,
-        or only the ``loss_masks`` tokens."""
+    def targets(self,
+                loss_masks: Sequence[Sequence[bool]] | None = None) -> tuple[torch.Tensor, ...]:
+        """(pred, target, slot) [N]: row token ``slot`` (rows in order), id ``target``, predicted
+        at packed position ``pred``, for every token but a row's first, or the ``loss_masks``."""
         pred, target, slot = [], [], []
         flat = self.input_ids[0]
         offset = 0
@@ -184,27 +152,22 @@ class PackedSequence:
                     target.append(int(flat[index[j]]))
                     slot.append(offset + j)
             offset += n
-        return torch.tensor(pred, dtype=torch.long), torch.tensor(target, dtype=torch.long), \
-            torch.tensor(slot, dtype=torch.long)
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (pred, target, slot))
 
 
-def pack_sequences(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None = None,
+def pack_sequences(rows: Sequence[Sequence[int]],
+                   loss_masks: Sequence[Sequence[bool]] | None = None,
                    prompt_keys: Sequence[object] | None = None) -> PackedSequence:
-    """Concatenate token rows; positions restart at 0 per row (module docstring example).
-
-    With ``loss_masks``, rows that share their prompt (`prefix_units`) are packed as the
-    prompt once followed by each row's rest: rows [1, 2, 7] and [1, 2, 8, 9] with prompt
-    [1, 2] -> input_ids [[1, 2, 7, 8, 9]], position_ids [[0, 1, 2, 2, 3]]; the rows'
-    logprobs are the same as packed apart (attention never crosses from one row's rest
-    to another's), for P + 3 instead of 2P + 3 forwarded tokens. ``prompt_keys``: rows share
-    a prompt only if their keys are equal too (`prefix_units`; a VLM's rows: their images).
+    """Concatenate token rows (module docstring); with ``loss_masks``, a shared prompt once:
+    [1, 2, 7], [1, 2, 8, 9] -> input_ids [[1, 2, 7, 8, 9]], position_ids [[0, 1, 2, 2, 3]].
 
     Raises:
         ValueError: no rows, or an empty row (column ``token_ids``).
     """
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError(f"cannot pack an empty micro-batch or an empty row; got lengths "
-                         f"{[len(r) for r in rows]}; hint: column 'token_ids' needs >= 1 token per row")
+                         f"{[len(r) for r in rows]}; hint: column 'token_ids' needs >= 1 token "
+                         "per row")
     ids: list[int] = []
     positions: list[int] = []
     index: list[list[int]] = [[] for _ in rows]
@@ -216,12 +179,12 @@ def pack_sequences(rows: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[
         parts = []
         for i in members:
             rest = rows[i][prefix:]
-            index[i] = list(range(start, start + prefix)) + list(range(len(ids), len(ids) + len(rest)))
+            index[i] = [*range(start, start + prefix), *range(len(ids), len(ids) + len(rest))]
             ids += rest
             positions += range(prefix, prefix + len(rest))
             parts.append(len(rest))
         segments.append((len(ids) - start, prefix, parts if prefix else []))
-    lengths = [len(r) for r in rows]
-    return PackedSequence(torch.tensor(ids, dtype=torch.long)[None, :], torch.tensor(positions)[None, :],
-                          [ix[0] for ix in index], lengths, segments,
+    return PackedSequence(torch.tensor(ids, dtype=torch.long)[None, :],
+                          torch.tensor(positions)[None, :], [ix[0] for ix in index],
+                          [len(r) for r in rows], segments,
                           torch.tensor([t for ix in index for t in ix], dtype=torch.long))

@@ -1,23 +1,11 @@
 """Saving and restoring the trainer's part of a pipeline checkpoint (molt.runtime.checkpoint).
 
-In a checkpoint folder, for a train stage with id ``train``::
-
-    train/                  a Hugging Face model folder: the model folder's config and
-                            tokenizer files + model.safetensors (the names and layout of
-                            the folder's own checkpoint, tied embeddings stored once),
-                            loadable by an engine as is
-    train/optimizer.pt      the full AdamW state keyed by parameter name (torch.save)
-    train/adapter/          a LoRA run's adapter alone, in peft's format (molt.train.lora; model.safetensors
-                            holds the weights merged)
-    train/rng.rank{r}.pt    torch's RNG state of rank r
-    train.0.json            written last by the stage: {"state": {"version": k}, ...}
-
-The learning-rate schedule is a function of the version (molt.train.optim.set_lr), so
-restoring the version restores the schedule exactly. State dicts are full (unsharded):
-gathered with ``get_state_dict(full_state_dict=True, cpu_offload=True)`` (a
-collective; rank 0 writes) and restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``
-(``full_state_dict=True, broadcast_from_rank0=True``), so a run may resume at another world size. Every file
-is written under a temporary name and renamed, then all ranks meet at a barrier.
+For a train stage with id ``train``: ``train/`` is a model folder an engine loads (config and
+tokenizer files, model.safetensors), with ``optimizer.pt`` (AdamW state by parameter name),
+``adapter/`` (a LoRA run's, in peft's format) and ``rng.rank{r}.pt``; the stage writes
+``train.0.json`` ({"state": {"version": k}}) last. State dicts are full, so a run may resume at
+another world size. Files are written under a temporary name and renamed, then ranks meet at a
+barrier.
 """
 
 from __future__ import annotations
@@ -35,25 +23,26 @@ from molt.train.lora import load_adapter, save_adapter
 from molt.train.model import PolicyModel, checkpoint_state, full_state_dict
 
 
-def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
-    """Write model, optimizer and RNG state into ``folder`` (a collective: call on every rank).
-
-    ``model_dir`` is the HF folder the policy was loaded from (its config and
-    tokenizer files are copied, so ``folder`` is a loadable model folder).
-    """
+def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer,
+                     model_dir: Path) -> None:
+    """Write model, optimizer and RNG state into ``folder`` (a collective), with the files of
+    ``model_dir``, the folder the policy was loaded from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    full, optim_state = get_state_dict(model, optimizer,
-                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full, optim_state = get_state_dict(model, optimizer, options=options)
     model_state = cast(dict[str, torch.Tensor], full)
     rank = dist.get_rank()
     folder.mkdir(parents=True, exist_ok=True)
-    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, folder / f".rng.rank{rank}.tmp")
     os.replace(folder / f".rng.rank{rank}.tmp", folder / f"rng.rank{rank}.pt")
     if rank == 0:
         _copy_model_files(model_dir, folder)
-        save_file(checkpoint_state(model, model_state), str(folder / ".model.tmp"), metadata={"format": "pt"})
+        save_file(checkpoint_state(model, model_state), str(folder / ".model.tmp"),
+                  metadata={"format": "pt"})
         os.replace(folder / ".model.tmp", folder / "model.safetensors")
         if model.lora:
             shutil.rmtree(folder / ".adapter.tmp", ignore_errors=True)
@@ -66,23 +55,14 @@ def save_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
 
 
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
-    """Every file of the model folder but its weights: config, tokenizer, chat template, image processor."""
+    """Copy every file of the model folder but its weights."""
     for f in Path(model_dir).iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
             shutil.copy(f, dest / f.name)
 
 
 def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
-    """Write the policy as a new Hugging Face folder ``out`` that engines and trainers load (a collective).
-
-    The weights under the checkpoint names and layout engines load (`full_state_dict`:
-    transformers' ``revert_weight_conversion``, as ``save_pretrained``), with every other
-    file of ``model_dir`` (config, tokenizer, chat template, image processor). Written into a
-    temporary sibling, then renamed; an existing ``out`` is replaced.
-
-    Returns:
-        ``out``.
-    """
+    """Write the policy as a new HF folder ``out``, replacing any (a collective); returns it."""
     state = full_state_dict(model)  # every rank joins; rank 0 gets the tensors
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,13 +78,13 @@ def export_model_folder(model: PolicyModel, model_dir: Path, out: Path) -> Path:
     return out
 
 
-def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer, model_dir: Path) -> None:
-    """Restore what `save_train_state` wrote (a collective: call on every rank). A LoRA model restores its
-    adapter (and routers trained in full) only: its frozen base is the model it was loaded from, ``model_dir``.
+def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Optimizer,
+                     model_dir: Path) -> None:
+    """Restore what `save_train_state` wrote (a collective). A LoRA model restores only what
+    trains: its frozen base is ``model_dir``.
 
     Raises:
-        ValueError: a file is missing, or the weights' names differ from the model's (a LoRA model's
-            adapter: molt.train.lora.load_adapter).
+        ValueError: a file is missing, or the weights' names or shapes differ from the model's.
     """
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -112,20 +92,24 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
     rank = dist.get_rank()
     for name in ("model.safetensors", "optimizer.pt"):
         if not (folder / name).is_file():
-            raise ValueError(f"checkpoint {folder}: no {name}; hint: the checkpoint is incomplete, resume "
-                             "from another one")
+            raise ValueError(f"checkpoint {folder}: no {name}; hint: the checkpoint is "
+                             "incomplete, resume from another one")
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     if rank == 0:
-        model_state = load_adapter(folder / "adapter", model, model.lora, model_dir) if model.lora else \
-            _model_state(folder, model)
+        if model.lora:
+            model_state = load_adapter(folder / "adapter", model, model.lora, model_dir)
+        else:
+            model_state = _model_state(folder, model)
         optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
     # Two calls, not set_state_dict: given an empty model dict (ranks > 0) it would skip the
     # model's broadcast that rank 0 joins.
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not model.lora)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(  # not strict: a parameter
-        full_state_dict=True, broadcast_from_rank0=True, strict=False))  # that never had a gradient has no state
+    def options(strict: bool) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+
+    set_model_state_dict(model, model_state, options=options(not model.lora))
+    # not strict: a parameter that never had a gradient has no state
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options(False))
     rng_path = folder / f"rng.rank{rank}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved
         rng = torch.load(rng_path, weights_only=True)
@@ -135,16 +119,17 @@ def load_train_state(folder: Path, model: PolicyModel, optimizer: torch.optim.Op
 
 
 def _model_state(folder: Path, model: PolicyModel) -> dict[str, torch.Tensor]:
-    """The wrapper-named state dict of the checkpoint's model folder, read by transformers as it loads
-    the model: what `checkpoint_state` converted is converted back (a MoE's experts fused again, renames).
+    """The checkpoint's weights under the wrapper's names, converted back by transformers.
 
     Raises:
         ValueError: the folder's tensors are not the model's, naming some.
     """
     lm, info = type(model.lm).from_pretrained(  # type: ignore[attr-defined]
         str(folder), dtype=torch.float32, output_loading_info=True)
-    wrong = sorted({*info["missing_keys"], *info["unexpected_keys"], *(str(m[0]) for m in info["mismatched_keys"])})
+    wrong = sorted({*info["missing_keys"], *info["unexpected_keys"],
+                    *(str(m[0]) for m in info["mismatched_keys"])})
     if wrong:
-        raise ValueError(f"checkpoint {folder / 'model.safetensors'}: tensor names or shapes differ from the model's, "
-                         f"e.g. {wrong[:3]}; hint: resume with the model the run was started with")
+        raise ValueError(f"checkpoint {folder / 'model.safetensors'}: tensor names or shapes "
+                         f"differ from the model's, e.g. {wrong[:3]}; hint: resume with the model "
+                         "the run was started with")
     return {f"lm.{name}": tensor for name, tensor in lm.state_dict().items()}
