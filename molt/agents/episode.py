@@ -108,8 +108,7 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
     """Run one rollout of ``env`` on ``task``.
 
     Raises:
-        ValueError: the opening prompt is empty or does not fit ``max_total_tokens``, or a VLM
-            policy generated its image token.
+        ValueError: the prompt is empty or over ``max_total_tokens``; a VLM's image token generated.
         AgentError: ``env.reset`` or ``env.step`` raised.
     """
     messages: list[Message] = list(_call_env(env.reset, task, request_id))
@@ -118,8 +117,9 @@ async def run_episode(engine: Engine, chat: ChatTemplate, env: Env, task: dict[s
     seg = Segment(image_token_id=chat.image_token_id)
     seg.extend_context(chat.prompt_ids(messages, schemas), chat.images(messages))
     if not 0 < len(seg.token_ids) < max_total_tokens:
-        raise ValueError(f"request {request_id}: prompt has {len(seg.token_ids)} tokens; the context window "
-                         f"(max_total_tokens) is {max_total_tokens}; hint: shorten the prompt")
+        raise ValueError(f"request {request_id}: prompt has {len(seg.token_ids)} tokens; the "
+                         f"context window (max_total_tokens) is {max_total_tokens}; hint: shorten "
+                         "the prompt")
     segments, score, finish, text, turns = [seg], None, "length", "", 0
     info: dict[str, Any] = {}
     for turns in range(1, max_turns + 1):
