@@ -49,7 +49,10 @@ def test_the_hermes_parser_reads_one_or_several_calls_and_the_text_around_them()
 
 
 @pytest.mark.parametrize("text, reason", [
-    ('<tool_call>\n{"name": "calculator", "argum', "without its </tool_call>"),
+    ('<tool_call>\n{"name": "calculator", "argum', "ends inside the call (cut by max_new_tokens?)"),
+    ('<tool_call>{"name": "f", "arguments": {"x": tru', "ends inside the call (cut by max_new_tokens?)"),
+    ('<tool_call>{"name": "f", "arguments": {}}\n</tool_', "ends inside the call (cut by max_new_tokens?)"),
+    ('<tool_call>{"name": "f", "arguments": {}} done', "followed by 'done', not </tool_call>"),
     ("<tool_call>{'name': 'calculator'}</tool_call>", "not JSON"),
     ('<tool_call>{"arguments": {}}</tool_call>', 'not {"name": string'),
     ('<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>', 'not {"name": string'),
@@ -58,6 +61,42 @@ def test_the_hermes_parser_reads_one_or_several_calls_and_the_text_around_them()
 def test_a_malformed_call_is_the_text_it_is_with_the_reason(text, reason):
     turn = HermesParser().parse(text, "c")
     assert turn.calls == [] and turn.content == text and reason in turn.malformed
+
+
+def test_a_tag_quoted_in_a_calls_arguments_is_text_and_two_calls_stay_two():
+    code = 'print("<tool_call>" if x else "</tool_call>")'
+    quoting = f'<tool_call>\n{json.dumps({"name": "python", "arguments": {"code": code}})}\n</tool_call>'
+    turn = HermesParser().parse(f"Here: {quoting}", "c")
+    assert turn.malformed == "" and turn.content == "Here:" and turn.calls == [ToolCall("c_0", "python", {"code": code})]
+    two = HermesParser().parse(quoting + CALL, "c")
+    assert two.malformed == "" and [(c.id, c.name) for c in two.calls] == [("c_0", "python"), ("c_1", "calculator")]
+
+
+@pytest.mark.parametrize("text, says", [
+    ('Write "<tool_call>" to call a tool.', "the <tool_call> at character 7: the call is not JSON (Expecting '{' or '['"),
+    ('<tool_call>{"name": "python", "arguments": {"code": "s = \'<tool_call>\'"}</tool_call>', "is not JSON")])
+def test_an_opening_tag_inside_a_string_is_not_blamed_on_max_new_tokens(text, says):
+    turn = HermesParser().parse(text, "c")
+    assert turn.calls == [] and says in turn.malformed and "max_new_tokens" not in turn.malformed
+    cut = HermesParser().parse('<tool_call>{"name": "python", "arguments": {"code": "s = \'<tool_call>', "c")
+    assert cut.malformed == "the <tool_call> at character 0: the text ends inside the call (cut by max_new_tokens?)"
+
+
+def test_call_tags_that_are_special_tokens_are_kept_by_decoding_and_parsed(tokenizer):
+    """Several Hermes-format tokenizers mark <tool_call> and </tool_call> as special tokens."""
+    import copy
+
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]},
+                               replace_extra_special_tokens=False)
+    chat = ChatTemplate(special)
+    ep, engine = episode(chat, [CALL, "The answer is 5535."])
+    assert special.convert_tokens_to_ids("<tool_call>") in engine.completions[0].token_ids
+    assert chat.decode(engine.completions[0].token_ids) == CALL, "the tags kept, the EOS dropped"
+    assert ep.info == {"tool_turns": 2, "tool_calls": 1, "malformed_tool_calls": 0} and ep.score == 1.0
+    agent = ToolAgent()
+    ep, _ = serve(chat, agent, [CALL, "It is 5535."])
+    assert agent.finish_reasons == ["tool_calls", "stop"] and ep.score == 1.0
 
 
 def test_parsers_by_name_or_import_path_and_tool_failures_reach_the_policy_as_errors():
@@ -115,6 +154,32 @@ def test_an_env_with_tools_round_trips_through_the_template_token_for_token(chat
     assert '"name": "calculator"' in chat.tok.decode(engine.prompts[0]), "the tools are in the prompt"
 
 
+def test_a_sampled_call_renders_again_as_it_was_sampled(chat):
+    """Non-ASCII and the policy's own spacing: the record still equals a fresh render of its conversation."""
+    sampled = '<tool_call>\n{"name": "calculator", "arguments": {"expression":"café"}}\n</tool_call>'
+    ep, _ = episode(chat, [sampled, "The answer is 5535."])
+    [seg] = ep.segments
+    parsed = chat.tool_parser.parse(sampled, "call_1")
+    conversation = [{"role": "user", "content": TASK["question"]},
+                    {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]},
+                    {"role": "tool", "content": run_tool({"calculator": Calculator()}, parsed.calls[0])},
+                    {"role": "assistant", "content": "The answer is 5535."}]
+    fresh = chat.encode(chat.render(conversation, False, [Calculator.schema()]))
+    assert seg.token_ids == fresh[:len(seg.token_ids)]
+    assert parsed.calls[0].openai()["function"]["arguments"] == '{"expression":"café"}'
+
+
+def test_a_call_made_in_code_is_written_unescaped_in_the_fallback_and_in_a_demonstration(chat):
+    call = ToolCall("call_1_0", "calculator", {"expression": "café"}).openai()
+    assert call["function"]["arguments"] == '{"expression": "café"}'
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "error"}, {"role": "assistant", "content": "5535"}]
+    written = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "café"}}\n</tool_call>'
+    assert fallback_messages(messages, [Calculator.schema()], HermesParser())[2]["content"] == written
+    ids, mask = chat.demonstration_ids(messages, [Calculator.schema()])  # an SFT record's tokens
+    assert chat.decode([t for t, m in zip(ids, mask) if m]) == written + "5535"
+
+
 def test_a_template_that_renders_tools_renders_them_itself(tokenizer):
     import copy
 
@@ -133,6 +198,7 @@ def test_a_template_that_renders_tools_renders_them_itself(tokenizer):
 def test_an_env_call_cut_by_max_new_tokens_or_malformed_goes_to_the_env_as_text(chat):
     ep, engine = episode(chat, [CALL], max_new_tokens=8)
     assert engine.completions[0].finish_reason == "length" and ep.info["malformed_tool_calls"] == 1
+    assert ep.info["malformed_tool_call"].endswith("the text ends inside the call (cut by max_new_tokens?)")
     assert ep.score == 0.0 and ep.num_turns == 1 and ep.completion_text.startswith("<tool_call>")
     ep, _ = episode(chat, [CALL, CALL], max_turns=2)
     assert ep.num_turns == 2 and ep.score == 0.0 and ep.info["tool_calls"] == 2, "a last turn's call is its answer"

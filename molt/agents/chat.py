@@ -33,6 +33,9 @@ class ChatTemplate:
         eos = tokenizer.eos_token_id
         self.eos_text = tokenizer.decode([eos]) if eos is not None else ""
         self.tool_parser = tool_parser or HermesParser()
+        added, tags = tokenizer.added_tokens_decoder.items(), self.tool_parser.tags
+        self._dropped = ({*tokenizer.all_special_ids, *(i for i, t in added if t.special)}
+                         - {i for i, t in added if t.content in tags})  # decode keeps the tags
         try:
             probe = [{"role": "user", "content": "x"}]
             rendered = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False)
@@ -83,8 +86,10 @@ class ChatTemplate:
         return self.encode(self.render(messages, True, tools), self.images(messages))
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of generated tokens (for envs and graders, never for training)."""
-        return str(self.tok.decode(token_ids, skip_special_tokens=True))
+        """Text of generated tokens (for envs, graders and the tool parser, never for training):
+        special tokens dropped, except the tool parser's tags."""
+        kept = [t for t in token_ids if t not in self._dropped]
+        return str(self.tok.decode(kept, skip_special_tokens=False))
 
     def turn_delta_ids(self, messages: list[Message], new: list[Message], ended_with_eos: bool,
                        tools: Sequence[dict[str, Any]] = ()) -> list[int]:

@@ -187,12 +187,15 @@ def _observation(result: Result, request_id: str) -> list[Message]:
 
 
 def count_tool_calls(info: dict[str, Any], parsed: ParsedTurn | None) -> None:
-    """Count a parsed turn in ``info``: ``tool_turns``, ``tool_calls``, ``malformed_tool_calls``."""
+    """Count a parsed turn in ``info``: ``tool_turns``, ``tool_calls``, ``malformed_tool_calls``;
+    ``malformed_tool_call`` keeps the last malformed call's reason."""
     if parsed is not None:
         counts = {"tool_turns": 1, "tool_calls": len(parsed.calls),
                   "malformed_tool_calls": int(bool(parsed.malformed))}
         for key, n in counts.items():
             info[key] = info.get(key, 0) + n
+        if parsed.malformed:
+            info["malformed_tool_call"] = parsed.malformed
 
 
 def _call_env(method: Any, arg: Any, request_id: str) -> Any:

@@ -2,10 +2,11 @@
 
 A policy calls a tool by generating the call as text; a `ToolParser` finds the calls in the
 decoded turn (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
-a block may hold a JSON list). A call that cannot be read is *malformed*: the turn is returned
-as its text, with the reason, never repaired. For a template that ignores ``tools``,
-`fallback_messages` puts the tools in the system message (Qwen2.5's wording), calls in the
-parser's format, and tool results in user messages of ``<tool_response>`` blocks.
+a block may hold a JSON list; a tag quoted in its JSON is text). A call that cannot be read is
+*malformed*: the turn is returned as its text, with the reason, never repaired. For a template
+that ignores ``tools``, `fallback_messages` puts the tools in the system message (Qwen2.5's
+wording), calls in the parser's format, and tool results in user messages of
+``<tool_response>`` blocks.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ def run_tool(tools: dict[str, Tool], call: ToolCall) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One parsed call; ``id`` is unique in the rollout."""
+    """One parsed call; ``id`` is unique in the rollout. ``arguments_text``: the arguments'
+    JSON as sampled; "" for a call made in code, written unescaped (``"café"``)."""
 
     id: str
     name: str
     arguments: dict[str, Any]
+    arguments_text: str = dataclasses.field(default="", compare=False)
 
     def openai(self) -> dict[str, Any]:
         """The call as the OpenAI API writes it (``arguments`` a JSON string)."""
+        text = self.arguments_text or json.dumps(self.arguments, ensure_ascii=False)
         return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+                "function": {"name": self.name, "arguments": text}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ToolParser(abc.ABC):
     """Finds tool calls in generated text; writes calls and tool definitions in its format."""
 
     name: ClassVar[str]
+    tags: ClassVar[tuple[str, ...]] = ()  # the call markers, kept by decoding if special tokens
 
     @abc.abstractmethod
     def parse(self, text: str, call_prefix: str) -> ParsedTurn:
@@ -90,43 +95,83 @@ class ToolParser(abc.ABC):
         """The system-message text that defines ``tools`` (OpenAI definitions)."""
 
 
+_JSON = json.JSONDecoder()
+
+
+def _ws(text: str, i: int) -> int:
+    """The index of the first non-whitespace character of ``text`` from ``i``."""
+    return len(text) - len(text[i:].lstrip())
+
+
+def _arguments_text(call: str, arguments: dict[str, Any]) -> str:
+    """The text of the first ``"arguments"`` member of the JSON text ``call`` whose value is
+    ``arguments`` ("" if none); a quote in a JSON string is escaped, so strings never match."""
+    for m in re.finditer(r'"arguments"\s*:\s*', call):
+        value, end = _JSON.raw_decode(call, m.end())
+        if value == arguments:
+            return call[m.end():end]
+    return ""
+
+
 class HermesParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the JSON ends where
+    `json.JSONDecoder.raw_decode` says."""
 
     name = "hermes"
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    tags = ("<tool_call>", "</tool_call>")
 
     def parse(self, text: str, call_prefix: str) -> ParsedTurn:
-        blocks = self._block.findall(text)
-        if text.count("<tool_call>") != len(blocks):
-            return ParsedTurn(text, [], "a <tool_call> without its </tool_call> (cut by max_new_tokens?)")
         calls: list[ToolCall] = []
-        for body in blocks:
+        outside, end = [], 0
+        while (start := text.find(self.tags[0], end)) >= 0:
+            outside.append(text[end:start])
             try:
-                value = json.loads(body)
-            except json.JSONDecodeError as e:
-                return ParsedTurn(text, [], f"the call is not JSON ({e})")
-            if value == []:
-                return ParsedTurn(text, [], "an empty list of calls")
-            for item in value if isinstance(value, list) else [value]:
-                if not (isinstance(item, dict) and isinstance(item.get("name"), str)
-                        and isinstance(item.get("arguments", {}), dict)):
-                    return ParsedTurn(text, [], 'a call is not {"name": string, "arguments": object}')
-                calls.append(ToolCall(f"{call_prefix}_{len(calls)}", item["name"], item.get("arguments", {})))
-        content = self._block.sub("", text).strip()
+                found, end = self._block(text, start + len(self.tags[0]))
+            except ValueError as e:
+                return ParsedTurn(text, [], f"the {self.tags[0]} at character {start}: {e}")
+            calls += [ToolCall(f"{call_prefix}_{len(calls) + k}", *c) for k, c in enumerate(found)]
+        content = "".join([*outside, text[end:]]).strip()
         return ParsedTurn(content or None, calls)
 
+    def _block(self, text: str, i: int) -> tuple[list[tuple[str, dict[str, Any], str]], int]:
+        """``(name, arguments, arguments_text)`` of each call of the block whose JSON starts at
+        ``text[i]`` (after whitespace), and the end of its ``</tool_call>``; ValueError if none."""
+        cut = "the text ends inside the call (cut by max_new_tokens?)"
+        i = _ws(text, i)
+        try:
+            if text[i:i + 1] not in ("{", "["):
+                raise json.JSONDecodeError("Expecting '{' or '['", text, i)
+            value, end = _JSON.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            short = re.fullmatch(r"[\w.+-]*\s*", text[e.pos:], re.ASCII)  # a literal cut short
+            raise ValueError(cut if short or e.msg.startswith("Unterminated") else
+                             f"the call is not JSON ({e})") from None
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise ValueError("an empty list of calls")
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                   and isinstance(c.get("arguments", {}), dict) for c in items):
+            raise ValueError('a call is not {"name": string, "arguments": object}')
+        close, tag = _ws(text, end), self.tags[1]
+        if not text.startswith(tag, close):
+            raise ValueError(cut if tag.startswith(text[close:]) else
+                             f"the call is followed by {text[close:close + 20]!r}, not {tag}")
+        args = [c.get("arguments", {}) for c in items]
+        return ([(c["name"], a, _arguments_text(text[i:end], a)) for c, a in zip(items, args)],
+                close + len(tag))
+
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        return "".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
-                       f'"arguments": {c["function"]["arguments"]}}}\n</tool_call>' for c in calls)
+        names = [json.dumps(c["function"]["name"], ensure_ascii=False) for c in calls]
+        return "".join(f'<tool_call>\n{{"name": {n}, "arguments": {c["function"]["arguments"]}}}'
+                       "\n</tool_call>" for n, c in zip(names, calls))
 
     def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                "with function signatures within <tools></tools> XML tags:\n<tools>\n"
-                + "\n".join(json.dumps(t) for t in tools)
-                + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                  "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n"
+                "<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n\n"
+                "For each function call, return a json object with function name and arguments "
+                "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
