@@ -166,3 +166,31 @@ def test_a_torchvision_that_does_not_import_is_named_before_anything_starts(tmp_
         assert "torchvision is installed but does not import beside torch: RuntimeError: operator torchvision::nms" \
                in out.stderr and "hint: pip uninstall -y torchvision torchaudio torchcodec" in out.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep" / "seed_0").exists()
+
+
+def test_an_evaluation_that_could_grade_training_problems_is_refused_at_load_naming_both_keys(tmp_path):
+    both = "stages.evaluate.config.task and stages.source.config.task both draw from"
+    on_train = ["--set", "stages.evaluate.config.task.split=train"]
+    for args in (["graph", "pipelines/quickstart.yaml"], ["run", "pipelines/quickstart.yaml", "--resume", tmp_path]):
+        done = molt(*args, *on_train)
+        assert done.exit_code == 2 and f"{both} the train split of arithmetic" in done.stderr, done.output
+    done = molt("graph", "pipelines/gsm8k.yaml", "--set", "stages.evaluate.config.task.path=data/gsm8k/train.jsonl")
+    assert done.exit_code == 2 and f"{both} the file {os.path.abspath('data/gsm8k/train.jsonl')}" in done.stderr
+    # the rollout's own evaluation (several tasks), refused alike
+    from types import SimpleNamespace
+
+    from molt.agents.evaluation import refuse_shared_problems
+    from stages.dataset_source import DatasetSource
+    from stages.rollout import Rollout
+
+    rollout = Rollout.Config.model_validate({"evaluate": {"tasks": {"a": {"task": {"type": "shapes", "split": "eval"}},
+                                                                    "b": {"task": {"type": "shapes"}}}}})
+    source = DatasetSource.Config.model_validate({"task": {"type": "shapes"}})
+    pipe = SimpleNamespace(source="p.yaml", stages={"source": SimpleNamespace(config=source),
+                                                    "rollout": SimpleNamespace(config=rollout)})
+    with pytest.raises(ValueError, match=r"p.yaml: stages.rollout.config.evaluate.tasks.b.task and "
+                                         r"stages.source.config.task both draw from the train split of shapes"):
+        refuse_shared_problems(pipe)
+    # the shipped pipelines evaluate on held-out problems: each loads
+    for path in ("pipelines/quickstart.yaml", "pipelines/gsm8k.yaml", "pipelines/sft.yaml", "pipelines/agent_tools.yaml"):
+        assert molt("graph", path).exit_code == 0, path

@@ -13,7 +13,7 @@ from molt.commands import main
 from molt.commands.eval import parse_task
 from molt.agents import ChatTemplate
 from molt.agents.evaluation import evaluate, load_problems, majority_score, pass_at_k, sampled_metrics, summarise
-from molt.tasks.graders import Grade, MathGrader
+from molt.tasks.graders import ExactGrader, Grade, MathGrader, ShapesGrader
 from molt.tasks import ArithmeticTask
 from molt.runtime.metrics import logged_steps
 from molt.runtime.pipeline import Pipeline
@@ -41,6 +41,19 @@ def test_the_majority_answer_decides_and_samples_without_an_answer_do_not_vote()
     assert majority_score([Grade(0.0, None)]) == 0.0
 
 
+@pytest.mark.parametrize("grader, answer, samples", [
+    (MathGrader(), "12", ["12", "12.0", "24/2", "13", "13"]),
+    (MathGrader(), "18", ["$18.00", "so #### 18", "18.0", "17", "17"]),
+    (ExactGrader(ignore_case=True), "Paris", ["Paris", "paris", "PARIS ", "Rome", "Rome"]),
+    (ShapesGrader(), "3 red", ["3 red", "three RED", "3 red shapes", "4 red", "4 red"]),
+], ids=["math", "gsm8k", "exact", "shapes"])
+def test_maj_at_k_votes_by_the_graders_normal_form_as_its_score_does(grader, answer, samples):
+    grades = [grader.grade(sample, answer) for sample in samples]
+    assert [g.score for g in grades] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert sampled_metrics([grades])["maj@5"] == [1.0], "three right spellings outvote two wrong answers"
+    assert len({g.extracted for g in grades[:3]}) == 1, "one answer in the grader's normal form"
+
+
 def test_sampled_metrics_and_standard_errors_over_problems():
     right, wrong = Grade(1.0, "5"), Grade(0.0, "6")
     per = sampled_metrics([[right, wrong, wrong, wrong], [right, right, right, wrong]])
@@ -54,6 +67,33 @@ def test_sampled_metrics_and_standard_errors_over_problems():
     assert summarise({"accuracy": [1.0, 0.0, 0.0, 0.0]})["accuracy_stderr"] == pytest.approx(math.sqrt(0.25 * 0.75 / 4))
 
 
+def test_an_evaluation_grades_distinct_problems_all_of_a_small_split_and_its_stderr_counts_them(monkeypatch,
+                                                                                               caplog):
+    from types import SimpleNamespace
+
+    # the quickstart's held-out split (operands 10-60, +) holds 261 problems; 500 asked
+    task = ArithmeticTask(style="plain", min_operand=10, max_operand=60, num_problems=500, split="eval")
+    with caplog.at_level("WARNING", logger="molt.agents.evaluation"):
+        problems = load_problems(task, "stages.evaluate.config.task")
+    asked = [(p["a"], p["b"]) for p in problems]
+    assert len(asked) == len(set(asked)) == 261 and {p["split"] for p in problems} == {"eval"}
+    assert "stages.evaluate.config.task.num_problems: 500; the task holds 261 distinct problems" in caplog.text
+    fewer = load_problems(task.model_copy(update={"num_problems": 100}), "task")  # without replacement
+    assert len({(p["a"], p["b"]) for p in fewer}) == 100 and fewer == problems[:100]
+    with pytest.raises(ValueError, match="task: num_problems: an evaluation needs a number; got null"):
+        load_problems(ArithmeticTask(split="eval", num_problems=None), "task")
+
+    async def half_right(engine, chat, problems, *args):
+        return [[Grade(float(i % 2), str(i))] for i in range(len(problems))]
+
+    monkeypatch.setattr("molt.agents.evaluation.grade_samples", half_right)
+    values = asyncio.run(evaluate(SimpleNamespace(policy_version=0), None, problems, MathGrader(),
+                                  max_new_tokens=4, max_model_len=64))
+    p = 130 / 261  # the standard error is of the 261 problems graded
+    assert values["accuracy"] == pytest.approx(p) and values["accuracy_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 261))
+    assert Pipeline.from_yaml("pipelines/quickstart.yaml").spec.results["eval_problems"] == "evaluate/num_problems"
+
+
 def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
     arith = parse_task("arithmetic")[0]["arithmetic"]
     assert (arith.task.split, arith.grader.type, arith.samples) == ("eval", "math", 1)
@@ -62,7 +102,7 @@ def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
     mapped, _ = parse_task("{type: arithmetic, split: eval, num_problems: 7, max_new_tokens: 9, samples: 4, name: small}")
     assert (mapped["small"].task.num_problems, mapped["small"].max_new_tokens, mapped["small"].samples) == (7, 9, 4)
     tasks, pipe = parse_task("pipelines/quickstart.yaml")
-    assert pipe is not None and list(tasks) == ["evaluate"] and tasks["evaluate"].task.num_problems == 500
+    assert pipe is not None and list(tasks) == ["evaluate"] and tasks["evaluate"].task.num_problems == 261
     assert tasks["evaluate"].task.max_operand == 60
     assert tasks["evaluate"].max_new_tokens == pipe.stages["evaluate"].config.max_new_tokens
     with pytest.raises(ValueError, match="unknown task; hint: one of"):

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from molt.tasks.graders import ExactGrader, Grade, GraderConfig, MathGrader, answers_match, extract_answer
+from molt.tasks.graders import ExactGrader, Grade, GraderConfig, MathGrader, extract_answer, math_normal_form
 
 
 @pytest.mark.parametrize("completion, answer, score", [
@@ -22,6 +22,10 @@ from molt.tasks.graders import ExactGrader, Grade, GraderConfig, MathGrader, ans
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
     ("\\boxed{3} but then 4", "3", 1.0),
     ("5 + 5 = 10\n#### 10\nor maybe 11", "10", 1.0),
+    ("\\boxed{x = 3}", "3", 1.0),
+    ("\\boxed{12.0\\text{ eggs}}", "12", 1.0),
+    ("\\boxed{a=b=c}", "3", 0.0),  # sympy fails to simplify it: compared as parsed
+    ("\\boxed{our4)2w}", "3", 0.0),  # sympy cannot read it: compared as written
 ])
 def test_math_grader_scores_exactly(completion, answer, score):
     assert MathGrader().grade(completion, answer).score == score
@@ -46,8 +50,12 @@ def test_no_answer_is_reported_as_none_with_score_zero():
     assert MathGrader().grade("I do not know", "4") == Grade(0.0, None)
 
 
-def test_answers_match_compares_values_not_strings():
-    assert answers_match("1/2", "0.50") and answers_match("-0", "0") and not answers_match("1/3", "0.33")
+def test_the_math_normal_form_writes_equal_values_alike():
+    assert math_normal_form("1/2") == math_normal_form("0.50") == math_normal_form("\\frac{1}{2}") == "1/2"
+    assert math_normal_form("-0") == "0" and math_normal_form("1/3") != math_normal_form("0.33")
+    twelves = ("12", "12.0", "24/2", "$12", "\\frac{24}{2}", "x = 12", "12.0\\text{ eggs}")
+    assert {a: math_normal_form(a) for a in twelves} == {a: "12" for a in twelves}
+    assert math_normal_form("\\sqrt{8}") == math_normal_form("2\\sqrt{2}") == "2*sqrt(2)"
 
 
 def test_exact_grader_strips_whitespace_and_can_ignore_case():

@@ -34,6 +34,7 @@ def test_a_short_quickstart_trains_evaluates_checkpoints_and_plots(default_model
     assert 0 <= results["accuracy_baseline"] <= 1 and 0 <= results["accuracy_final"] <= 1
     assert results["tokens_generated"] > 0 and results["tokens_trained"] > results["tokens_generated"]
     assert 0 <= results["mean_staleness"] <= 1, "max_staleness: 1 holds"
+    assert results["eval_problems"] == 16, "the distinct problems evaluated"
     assert summary["metrics"]["rollout/refit_seconds"] >= 0, "the rollout loaded (and verified) new weights"
     on_policy_step_has_ratio_one(default_model_dir, run)
     evals = [r["policy_version"] for b in read_batches(run / "record" / "evaluate.out--eval_sink.in")

@@ -48,6 +48,18 @@ def test_arithmetic_train_and_eval_splits_never_share_a_problem_whatever_the_see
     assert canonical(42, "+", 17) == canonical(17, "+", 42) == "17+42"
 
 
+def test_one_rule_splits_a_task_family_whatever_a_task_states():
+    """No task's field moves a problem across splits: a task holding out more than another
+    would share problems with the other's training split."""
+    for fraction in (0.3, 0.1):
+        with pytest.raises(ValidationError, match="eval_fraction"):
+            ArithmeticTask(split="eval", eval_fraction=fraction)
+    evaluated = ArithmeticTask(split="eval", min_operand=10, max_operand=60, num_problems=300, seed=5)
+    trained = ArithmeticTask(split="train", min_operand=5, max_operand=70, num_problems=3000, seed=1).load()
+    trained_keys = {canonical(r["a"], r["op"], r["b"]) for r in map(trained.record, range(3000))}
+    assert not trained_keys & {canonical(r["a"], r["op"], r["b"]) for r in evaluated.distinct()}
+
+
 def test_arithmetic_respects_operands_and_operations():
     rs = problems(300, operations=("+", "-", "*"), min_operand=2, max_operand=9, seed=1)
     assert {r["op"] for r in rs} == {"+", "-", "*"}
@@ -61,7 +73,7 @@ def test_arithmetic_config_checks_the_operand_range_and_builds_an_endless_stream
         ArithmeticTask(min_operand=50, max_operand=10)
     assert ArithmeticTask(num_problems=None).load().num_records is None
     with pytest.raises(ValueError, match="no 'eval' problem in 10000 draws"):
-        ArithmeticTask(min_operand=1, max_operand=1, split="eval", eval_fraction=0.01).load().record(0)
+        ArithmeticTask(min_operand=1, max_operand=1, split="eval").load().record(0)  # 1+1 is train
 
 
 def test_gsm8k_final_answer_strips_commas_and_rejects_a_missing_marker():

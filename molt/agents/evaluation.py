@@ -7,10 +7,11 @@ completions at ``temperature``. Per problem, with c of its n samples right:
     pass@k    1 - C(n - c, k) / C(n, k), k = 1, 2, 4, ... below n, and n (Chen et al. 2021,
               arXiv 2107.03374, eq. 1)
     avg@n     the mean score of the n samples
-    maj@n     the score of the answer most samples extracted (Wang et al. 2022, arXiv
-              2203.11171); a tie goes to the first seen
+    maj@n     the score of the answer most samples gave in the grader's normal form (Wang et
+              al. 2022, arXiv 2203.11171); a tie goes to the first seen
 
-Each is the mean over N problems, with ``KEY_stderr`` = sqrt(population variance / N).
+Each is the mean over N distinct problems (``num_problems``), with ``KEY_stderr`` =
+sqrt(population variance / N).
 Example: n = 5, c = 2 -> pass@1 0.4, pass@2 0.7, pass@4 1.0, pass@5 1.0. With ``agent`` each
 completion is that ChatAgent's episode, its last reply graded (wrong if the agent raised).
 """
@@ -18,11 +19,12 @@ completion is that ChatAgent's episode, its last reply graded (wrong if the agen
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,13 @@ from molt.schema import batch_from_rows, make_schema
 from molt.runtime.stage import StageConfig
 from molt.tasks import TaskConfig
 
+log = logging.getLogger(__name__)
 EVAL_SCHEMA = make_schema([pa.field(name, type_, metadata={b"doc": doc.encode()})
                            for name, type_, doc in (
     ("policy_version", pa.int32(), "optimizer steps in the evaluated weights"),
     ("accuracy", pa.float64(), "fraction of problems answered right, greedy"),
     ("accuracy_stderr", pa.float64(), "binomial standard error sqrt(p(1-p)/n)"),
-    ("num_problems", pa.int64(), "problems evaluated"),
+    ("num_problems", pa.int64(), "distinct problems evaluated"),
     ("seconds", pa.float64(), "wall time of the evaluation"),
     ("task", pa.string(), "the task's name in tasks; empty for the one task"),
 )], "eval")
@@ -169,16 +172,46 @@ async def evaluate(engine: Engine, chat: ChatTemplate, problems: Sequence[dict[s
 
 
 def load_problems(task: Any, where: str) -> list[dict[str, Any]]:
-    """Every record of ``task`` (a TaskConfig).
+    """``task.distinct()`` (a TaskConfig), with a warning if fewer than its ``num_problems``.
 
     Raises:
-        ValueError: the task is an endless stream, naming ``where``.
+        ValueError: as ``task.distinct()``, naming ``where``.
     """
-    loaded = task.load()
-    if loaded.num_records is None:
-        raise ValueError(f"{where}: evaluation needs a finite task; got an endless stream; "
-                         "hint: set task.num_problems")
-    return [loaded.record(i) for i in range(loaded.num_records)]
+    try:
+        problems: list[dict[str, Any]] = task.distinct()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if len(problems) < (task.num_problems or 0):
+        log.warning("%s.num_problems: %d; the task holds %d distinct problems, all evaluated",
+                    where, task.num_problems, len(problems))
+    return problems
+
+
+def _tasks(config: Any, where: str, held_out: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """(YAML key, task config, in an evaluation) of each task in ``config``, at any depth."""
+    if callable(getattr(config, "pool", None)):
+        yield where, config, held_out
+    elif isinstance(config, BaseModel | dict):
+        held_out = held_out or isinstance(config, EvaluationConfig)
+        items = (config.items() if isinstance(config, dict)
+                 else ((k, getattr(config, k)) for k in type(config).model_fields))
+        for key, value in items:
+            yield from _tasks(value, f"{where}.{key}", held_out)
+
+
+def refuse_shared_problems(pipe: Any) -> None:
+    """Refuse a Pipeline whose evaluation's task draws from the ``pool()`` of another task.
+
+    Raises:
+        ValueError: naming both tasks' YAML keys.
+    """
+    found = [t for sid, n in pipe.stages.items() for t in _tasks(n.config, f"stages.{sid}.config")]
+    for where, task, held_out in found:
+        for other, stream, _ in (t for t in found if held_out and not t[2]):
+            if task.pool() == stream.pool():
+                raise ValueError(f"{pipe.source}: {where} and {other} both draw from "
+                                 f"{task.pool()}: the evaluation could grade trained problems; "
+                                 "hint: split: eval, or another file")
 
 
 def default_grader(data: Any) -> Any:

@@ -33,7 +33,7 @@ NAMED_TASKS: dict[str, dict[str, Any]] = {
               "mapping; repeatable (default: the run's evaluation)")
 @click.option("--samples", type=int, help="k samples per problem besides the greedy one")
 @click.option("--temperature", type=float, help="of the samples (default: the policy's, else 1)")
-@click.option("--num-problems", type=int, help="the first N problems of each task")
+@click.option("--num-problems", type=int, help="at most N distinct problems of each task")
 @click.option("--engine", type=click.Choice(["vllm", "transformers"]),
               help="default: the evaluation stage's, else vllm")
 @click.option("--seed", type=int, default=0, help="the engine's sampling seed")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 import yaml
 
-from molt.commands.run import SET
-from molt.runtime.pipeline import Pipeline
+from molt.commands.run import SET, load_pipeline
 
 
 @click.command("graph")
@@ -16,6 +15,6 @@ from molt.runtime.pipeline import Pipeline
 @SET
 def command(pipeline: str, resolved: bool, overrides: tuple[str, ...]) -> int:
     """Print a pipeline's validated DAG: stages, edges, columns."""
-    pipe = Pipeline.from_yaml(pipeline, list(overrides))
+    pipe = load_pipeline(pipeline, list(overrides))
     click.echo(yaml.safe_dump(pipe.to_dict(), sort_keys=False) if resolved else pipe.describe())
     return 0

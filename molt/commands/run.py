@@ -30,7 +30,7 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 def command(pipeline: str, run_dir: str | None, resume: str | None, seed: int | None,
             overrides: tuple[str, ...]) -> int:
     """Run a pipeline (YAML file); exit code 0 on a clean drain."""
-    pipe = Pipeline.from_yaml(pipeline, [*overrides, *([] if seed is None else [f"seed={seed}"])])
+    pipe = load_pipeline(pipeline, [*overrides, *([] if seed is None else [f"seed={seed}"])])
     if resume and run_dir:
         raise ValueError("--resume RUN_DIR continues in RUN_DIR; got --run-dir too; "
                          "hint: pass only --resume")
@@ -45,6 +45,16 @@ def command(pipeline: str, run_dir: str | None, resume: str | None, seed: int | 
                              f"{', '.join(keys[:4])}; hint: the file and --set values it started "
                              f"with, or molt run {saved} --resume {resume}")
     return run_pipeline(pipe, resume or run_dir, resume=bool(resume))
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipeline:
+    """`Pipeline.from_yaml`, then `refuse_shared_problems` (molt.agents.evaluation); raises
+    their ValueError."""
+    from molt.agents.evaluation import refuse_shared_problems
+
+    pipe = Pipeline.from_yaml(path, overrides)
+    refuse_shared_problems(pipe)
+    return pipe
 
 
 def check_torchvision() -> None:
@@ -107,7 +117,7 @@ def make_required(pipe: Pipeline, run_dir: Path) -> int:
         with FileLock(cache / f".lock-{name}"):
             if made.is_file():  # made by another run while this one waited
                 continue
-            required, where = Pipeline.from_yaml(source), Path(run_dir) / "requires" / name
+            required, where = load_pipeline(source), Path(run_dir) / "requires" / name
             if where.exists():
                 log.warning("removing the unfinished run that was making %s: %s", name, where)
                 shutil.rmtree(where)

@@ -1,20 +1,19 @@
 """Arithmetic word problems, generated: seeded, reproducible, split-safe.
 
 Problem ``i`` of a split is drawn (with replacement) by ``random.Random(f"{seed}:{i}:{j}")`` for
-the first ``j`` whose problem falls in that split. **Splits never overlap**: a problem is ``eval``
-iff the first 8 bytes of ``sha256(canonical(a, op, b))`` / 2**64 < ``eval_fraction``.
+the first ``j`` whose problem falls in that split. **Splits never overlap**: a problem's split is
+``split_of(canonical(a, op, b))`` (records.py), whatever the task's other fields.
 ``style: plain`` asks "What is 23 + 45? Answer with just the number."; ``word`` (default) puts
 a story before it ("Mia has 23 marbles and gets 45 more.").
 """
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import random
 from dataclasses import dataclass
 
-from molt.tasks.records import Record, user_messages
+from molt.tasks.records import Record, split_of, user_messages
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _NAMES = ("Mia", "Leo", "Ava", "Sam", "Noah", "Zoe", "Omar", "Lily", "Ben", "Emma")
@@ -25,6 +24,7 @@ _STORIES = {
     "*": "{name} fills {a} boxes with {b} {things} each.",
 }
 _MAX_DRAWS = 10_000
+_MAX_COUNTED = 100_000  # (op, a, b) candidates `num_distinct` enumerates at most
 INSTRUCTION = "Answer with just the number."
 
 
@@ -35,9 +35,9 @@ def canonical(a: int, op: str, b: int) -> str:
     return f"{a}{op}{b}"
 
 
-def split_of(a: int, op: str, b: int, eval_fraction: float) -> str:
-    digest = hashlib.sha256(canonical(a, op, b).encode()).digest()
-    return "eval" if int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction else "train"
+def asked(a: int, op: str, b: int) -> tuple[int, str, int]:
+    """The problem as asked: ``b - a`` for ``a - b < 0`` (a story of giving away stays >= 0)."""
+    return (b, op, a) if op == "-" and b > a else (a, op, b)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ class ArithmeticProblems:
     max_operand: int = 99
     second_operand: tuple[int, int] | None = None  # (min, max) of b; None: as a's
     operations: tuple[str, ...] = ("+",)
-    eval_fraction: float = 0.1
     style: str = "word"
     skipped: tuple[str, ...] = ()
 
@@ -66,16 +65,26 @@ class ArithmeticProblems:
         for j in range(_MAX_DRAWS):
             rng = random.Random(f"{self.seed}:{index}:{j}")
             op = rng.choice(self.operations)
-            a = rng.randint(self.min_operand, self.max_operand)
-            b = rng.randint(*(self.second_operand or (self.min_operand, self.max_operand)))
-            if op == "-" and b > a:
-                a, b = b, a  # results stay >= 0, as in a story about giving things away
-            if split_of(a, op, b, self.eval_fraction) == self.split:
+            a, _, b = asked(rng.randint(self.min_operand, self.max_operand), op,
+                            rng.randint(*self._second))
+            if split_of(canonical(a, op, b)) == self.split:
                 return self._record(index, rng, a, op, b)
         raise ValueError(f"arithmetic task: no {self.split!r} problem in {_MAX_DRAWS} draws; got "
-                         f"operands {self.min_operand}..{self.max_operand}, eval_fraction "
-                         f"{self.eval_fraction}; hint: widen the operand range or change "
-                         "eval_fraction")
+                         f"operands {self.min_operand}..{self.max_operand}; hint: widen the "
+                         "operand range")
+
+    @property
+    def _second(self) -> tuple[int, int]:
+        return self.second_operand or (self.min_operand, self.max_operand)
+
+    def num_distinct(self) -> int | None:
+        """How many problems (a, op, b as asked) this split holds; None if over `_MAX_COUNTED`."""
+        (low, high), firsts = self._second, range(self.min_operand, self.max_operand + 1)
+        if len(self.operations) * len(firsts) * (high - low + 1) > _MAX_COUNTED:
+            return None
+        problems = {asked(a, op, b) for op in self.operations for a in firsts
+                    for b in range(low, high + 1)}
+        return sum(split_of(canonical(a, op, b)) == self.split for a, op, b in problems)
 
     def _record(self, index: int, rng: random.Random, a: int, op: str, b: int) -> Record:
         question = f"What is {a} {op} {b}? {INSTRUCTION}"

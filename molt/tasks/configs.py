@@ -9,17 +9,21 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Callable, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
 from molt.config import FrozenConfig
 from molt.tasks.arithmetic import ArithmeticProblems
 from molt.tasks.gsm8k import DEFAULT_INSTRUCTION, read_gsm8k
-from molt.tasks.records import RecordSet, Task, generic_record, read_jsonl, read_parquet
+from molt.tasks.records import (Record, RecordSet, Task, generic_record, read_jsonl,
+                                read_parquet)
 from molt.tasks.shapes import ShapeProblems
+
+_DRAWS_PER_PROBLEM = 100  # `distinct` gives up after as many draws per problem
 
 
 class _TaskConfig(FrozenConfig):
@@ -35,25 +39,50 @@ class _TaskConfig(FrozenConfig):
             ValueError: naming ``where`` (the task's YAML key) and the problem.
         """
         try:
-            task = self.load()
+            self.load()
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        if task.num_records == 0:
-            raise ValueError(f"{where}: no records; hint: num_problems >= 1")
+
+    def distinct(self) -> list[Record]:
+        """The records an evaluation grades, no problem twice: every record of a file."""
+        task = self.load()
+        return [task.record(i) for i in range(task.num_records or 0)]
 
 
 class _GeneratedTask(_TaskConfig):
     """A generated task; ``problems`` builds it from the fields."""
 
-    problems: ClassVar[Callable[..., Task]]
+    problems: ClassVar[type[ArithmeticProblems] | type[ShapeProblems]]
     seed: int = 0
     num_problems: int | None = Field(1000, ge=1, description="problems per epoch; null = endless")
     split: Literal["train", "eval"] = "train"
-    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of problems held out for eval")
 
-    def load(self) -> Task:
+    def load(self) -> ArithmeticProblems | ShapeProblems:
         return self.problems(num_records=self.num_problems,
                              **self.model_dump(exclude={"type", "num_problems"}))
+
+    def distinct(self) -> list[Record]:
+        """``num_problems`` distinct problems (alike but for id and wording is one) drawn without
+        replacement; all of the split's if it holds no more.
+
+        Raises:
+            ValueError: an endless task.
+        """
+        task, wanted = self.load(), self.num_problems
+        if wanted is None:
+            raise ValueError("num_problems: an evaluation needs a number; got null")
+        wanted = min(wanted, task.num_distinct() or wanted)
+        found: dict[str, Record] = {}
+        for index in range(wanted * _DRAWS_PER_PROBLEM):
+            if len(found) == wanted:
+                break
+            record = task.record(index)
+            found.setdefault(json.dumps({**record, "prompt_id": 0, "messages": 0}), record)
+        return list(found.values())
+
+    def pool(self) -> str:
+        """What the task draws its problems from: tasks of other pools share no problem."""
+        return f"the {self.split} split of {getattr(self, 'type')}"
 
 
 class ArithmeticTask(_GeneratedTask):
@@ -110,6 +139,9 @@ class _FileTask(_TaskConfig):
             raise ValueError(f"no such file; got {str(path)!r}; "
                              "hint: paths are relative to where `molt run` starts")
         return path
+
+    def pool(self) -> str:
+        return f"the file {self.path.resolve()}"
 
     def first(self, records: RecordSet) -> RecordSet:
         """The first ``num_problems`` records.

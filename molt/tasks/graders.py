@@ -1,8 +1,8 @@
 """Graders: score a completion against a reference answer (1.0 right, 0.0 wrong).
 
-YAML selects one of :data:`GraderConfig` by ``type:``. The math grader extracts the final answer
-(:func:`extract_answer`) and compares it by value (:func:`answers_match`). The completion text is
-used for grading only; it never feeds training.
+YAML selects one of :data:`GraderConfig` by ``type:``. A completion is right iff the normal
+form (equal answers, equal strings) of its answer is the reference's; majority votes count the
+same normal forms (``Grade.extracted``). The completion text never feeds training.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from fractions import Fraction
+from functools import lru_cache
 from typing import Annotated, Literal, NamedTuple, Union
 
 from pydantic import Field
@@ -28,7 +29,8 @@ _COLOUR_RE = re.compile(r"\b(?:red|green|blue|yellow)\b", re.IGNORECASE)
 
 
 class Grade(NamedTuple):
-    """One graded completion: ``score`` in {0.0, 1.0}; ``extracted`` None = no answer found."""
+    """One graded completion: ``score`` in {0.0, 1.0}; ``extracted`` the answer found in the
+    grader's normal form, None if none."""
 
     score: float
     extracted: str | None
@@ -77,23 +79,37 @@ def _as_fraction(text: str) -> Fraction | None:
         return None
 
 
+@lru_cache(maxsize=4096)  # a reference is graded once per sample
+def math_normal_form(answer: str) -> str:
+    """An answer's value as one string: a plain number as a reduced fraction (``"12.0"``,
+    ``"24/2"``, ``"$12"`` -> ``"12"``), else math-verify's parse (``x = v`` as ``v``) simplified
+    by sympy (``"\\sqrt{8}"`` -> ``"2*sqrt(2)"``), else the text stripped."""
+    if (number := _as_fraction(answer)) is not None:
+        return str(number)
+    from math_verify import parse
+    from math_verify.utils import timeout
+    from sympy import Basic, Eq, Symbol, nsimplify, simplify
+
+    main = threading.current_thread() is threading.main_thread()
+    seconds = _MATH_VERIFY_TIMEOUT_S if main else None  # its timeout uses SIGALRM: main thread only
+    parsed = parse(f"${answer}$", parsing_timeout=seconds)  # type: ignore[arg-type]
+    if not parsed or not isinstance(value := parsed[0], Basic):  # sympy could not read it
+        return str(parsed[0]) if parsed else answer.strip()
+    value = value.rhs if isinstance(value, Eq) and isinstance(value.lhs, Symbol) else value
+    try:  # decimals as fractions: "12.0" is "12" here too
+        return str(timeout(seconds)(lambda: simplify(nsimplify(value, rational=True)))())
+    except Exception:  # noqa: BLE001 - a timeout, or sympy failing on an odd expression ("a=b=c")
+        return str(value)
+
+
 def _math_verify_match(extracted: str, answer: str) -> bool:
     from math_verify import parse, verify
 
     main = threading.current_thread() is threading.main_thread()
-    timeout = _MATH_VERIFY_TIMEOUT_S if main else None  # its timeout uses SIGALRM: main thread only
-    gold = parse(f"${answer}$", parsing_timeout=timeout)  # type: ignore[arg-type]
-    pred = parse(f"${extracted}$", parsing_timeout=timeout)  # type: ignore[arg-type]
-    return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
-
-
-def answers_match(extracted: str, answer: str) -> bool:
-    """True if ``extracted`` equals ``answer`` as a value: plain numbers exactly as fractions
-    (``"0.5"`` == ``"1/2"``), else symbolically by math-verify (``"\\frac{1}{2}"`` == ``"0.5"``)."""
-    left, right = _as_fraction(extracted), _as_fraction(answer)
-    if left is not None and right is not None:
-        return left == right
-    return _math_verify_match(extracted, answer)
+    seconds = _MATH_VERIFY_TIMEOUT_S if main else None  # SIGALRM: main thread only
+    gold = parse(f"${answer}$", parsing_timeout=seconds)  # type: ignore[arg-type]
+    pred = parse(f"${extracted}$", parsing_timeout=seconds)  # type: ignore[arg-type]
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=seconds))
 
 
 def parse_count_colour(text: str) -> tuple[int | None, str | None]:
@@ -107,44 +123,62 @@ def parse_count_colour(text: str) -> tuple[int | None, str | None]:
     return number, colour.group().lower() if colour else None
 
 
-class MathGrader(FrozenConfig):
-    """Final-answer math grading: extract (boxed, ####, last number), then compare by value."""
+class _Grader(FrozenConfig):
+    def answer(self, completion: str) -> str | None:
+        """The answer ``completion`` gives; None if none."""
+        return completion.strip() or None
+
+    def normal_form(self, answer: str) -> str | None:
+        """``answer`` written so that equal answers are equal strings; None if it has none."""
+        raise NotImplementedError
+
+    def grade(self, completion: str, answer: str) -> Grade:
+        found = self.answer(completion)
+        got = None if found is None else self.normal_form(found)
+        return Grade(float(got is not None and got == self.normal_form(str(answer))), got)
+
+
+class MathGrader(_Grader):
+    """Final-answer math: `extract_answer`, compared by value (`math_normal_form`)."""
 
     type: Literal["math"] = "math"
 
+    def answer(self, completion: str) -> str | None:
+        return extract_answer(completion)
+
+    def normal_form(self, answer: str) -> str | None:
+        return math_normal_form(answer)
+
     def grade(self, completion: str, answer: str) -> Grade:
-        extracted = extract_answer(completion)
-        if extracted is None:
-            return Grade(0.0, None)
-        return Grade(1.0 if answers_match(extracted, str(answer)) else 0.0, extracted)
+        """As `_Grader.grade`; answers that are not both plain numbers and differ in normal form
+        are still right if math-verify finds them equal (``"(x+1)^2"``, ``"x^2+2x+1"``)."""
+        got = super().grade(completion, answer)
+        if got.score or got.extracted is None or _as_fraction(str(answer)) is not None:
+            return got
+        return Grade(float(_math_verify_match(str(self.answer(completion)), str(answer))),
+                     got.extracted)
 
 
-class ExactGrader(FrozenConfig):
-    """Whole-completion string match after stripping whitespace (optionally case-folded)."""
+class ExactGrader(_Grader):
+    """Whole-completion string match after stripping whitespace (optionally case-folded):
+    ``grade(" Paris\\n", "Paris")`` -> ``Grade(1.0, "Paris")``."""
 
     type: Literal["exact"] = "exact"
     ignore_case: bool = False
 
-    def grade(self, completion: str, answer: str) -> Grade:
-        """``grade(" Paris\\n", "Paris")`` -> ``Grade(1.0, "Paris")``."""
-        got, want = completion.strip(), str(answer).strip()
-        if not got:
-            return Grade(0.0, None)
-        if self.ignore_case:
-            return Grade(float(got.casefold() == want.casefold()), got)
-        return Grade(float(got == want), got)
+    def normal_form(self, answer: str) -> str | None:
+        return answer.strip().casefold() if self.ignore_case else answer.strip()
 
 
-class ShapesGrader(FrozenConfig):
-    """Count and colour of a shapes picture (shapes.py): 1.0 iff both are right."""
+class ShapesGrader(_Grader):
+    """Count and colour of a picture (shapes.py): ``grade("three red", "3 red")`` ->
+    ``Grade(1.0, "3 red")``."""
 
     type: Literal["shapes"] = "shapes"
 
-    def grade(self, completion: str, answer: str) -> Grade:
-        """``grade("three red", "3 red")`` -> ``Grade(1.0, "3 red")``."""
-        got = parse_count_colour(completion)
-        extracted = " ".join(str(part) for part in got if part is not None) or None
-        return Grade(float(None not in got and got == parse_count_colour(str(answer))), extracted)
+    def normal_form(self, answer: str) -> str | None:
+        parts = parse_count_colour(answer)
+        return " ".join(str(part) for part in parts if part is not None) or None
 
 
 GraderConfig = Annotated[Union[MathGrader, ExactGrader, ShapesGrader], Field(discriminator="type")]

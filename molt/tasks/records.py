@@ -8,6 +8,7 @@ A record is one prompt with its reference answer, a string::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
+EVAL_FRACTION = 0.1  # held out of every generated task family: no task's config moves a problem
 #: (parsed object, 0-based record index) -> record; ValueError, KeyError or TypeError if malformed.
 Converter = Callable[[Mapping[str, Any], int], Record]
 
@@ -41,6 +43,12 @@ def read_prompts(batch: Any) -> list[tuple[str, dict[str, Any]]]:
     """``(prompt_id, task record)`` of each row of a prompt batch (JSON in ``metadata``)."""
     return list(zip(batch.column("prompt_id").to_pylist(),
                     (json.loads(m) if m else {} for m in batch.column("metadata").to_pylist())))
+
+
+def split_of(identity: str) -> str:
+    """``"eval"`` iff sha256(identity)'s first 8 bytes / 2**64 < `EVAL_FRACTION`, else train."""
+    digest = hashlib.sha256(identity.encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") / 2**64 < EVAL_FRACTION else "train"
 
 
 def user_messages(content: str) -> list[dict[str, str]]:

@@ -2,13 +2,11 @@
 
 A 64 px PNG on white holds 1 to 4 shapes (circle, square, triangle; 14-20 px, apart) of one
 colour, without anti-aliasing; the answer is ``"{count} {colour}"``, e.g. ``"3 red"``. Seeding
-is arithmetic.py's; a scene is ``eval`` iff the first 8 bytes of
-``sha256(canonical(colour, shapes))`` / 2**64 < ``eval_fraction``.
+is arithmetic.py's; a scene's split is ``split_of(canonical(colour, shapes))`` (records.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import random
 from collections.abc import Sequence
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt.models.images import image_part
-from molt.tasks.records import Record
+from molt.tasks.records import Record, split_of
 
 #: Saturated RGB (one channel 0) of each colour, as drawn.
 COLOURS = {"red": (230, 0, 0), "green": (0, 170, 0), "blue": (0, 0, 230), "yellow": (240, 200, 0)}
@@ -34,11 +32,6 @@ Shape = tuple[str, int, int, int]
 def canonical(colour: str, shapes: Sequence[Sequence[Any]]) -> str:
     """The scene's identity for splitting, in any order of shapes: ``"red|circle@2,9,14|..."``."""
     return "|".join([colour, *sorted(f"{k}@{x},{y},{s}" for k, x, y, s in shapes)])
-
-
-def split_of(colour: str, shapes: list[Shape], eval_fraction: float) -> str:
-    digest = hashlib.sha256(canonical(colour, shapes).encode()).digest()
-    return "eval" if int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction else "train"
 
 
 def _apart(a: Shape, b: Shape) -> bool:
@@ -96,7 +89,6 @@ class ShapeProblems:
     min_shapes: int = 1
     max_shapes: int = 4
     image_size: int = 64
-    eval_fraction: float = 0.1
     skipped: tuple[str, ...] = ()
 
     def record(self, index: int) -> Record:
@@ -114,11 +106,14 @@ class ShapeProblems:
                 raise ValueError(f"shapes task: {count} shapes of up to {_MAX_SIZE_PX} px do not "
                                  f"fit in image_size {self.image_size}; hint: lower max_shapes or "
                                  "raise image_size")
-            if split_of(colour, shapes, self.eval_fraction) == self.split:
+            if split_of(canonical(colour, shapes)) == self.split:
                 return self._record(index, count, colour, shapes)
-        raise ValueError(f"shapes task: no {self.split!r} scene in {_MAX_DRAWS} draws; got "
-                         f"eval_fraction {self.eval_fraction}; hint: use a split of 'train' or "
-                         "'eval' and 0 < eval_fraction < 1")
+        raise ValueError(f"shapes task: no {self.split!r} scene in {_MAX_DRAWS} draws; hint: use "
+                         "a split of 'train' or 'eval'")
+
+    def num_distinct(self) -> int | None:
+        """None: too many scenes to count."""
+        return None
 
     def _record(self, index: int, count: int, colour: str, shapes: list[Shape]) -> Record:
         png = draw_png(colour, shapes, self.image_size)
