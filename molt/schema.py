@@ -154,10 +154,12 @@ def schema_name(schema: pa.Schema) -> str:
 
 
 def schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
-    """How ``got`` differs from ``expected`` ('' when names and types agree)."""
+    """How ``got`` differs from ``expected`` ('' when names and types agree, each name once)."""
     exp = {f.name: f.type for f in expected}
     have = {f.name: f.type for f in got}
     parts = []
+    if twice := sorted({n for n in got.names if got.names.count(n) > 1}):
+        parts.append(f"duplicated columns {twice}")
     if missing := [n for n in exp if n not in have]:
         parts.append(f"missing columns {missing}")
     if extra := [n for n in have if n not in exp]:

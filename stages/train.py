@@ -140,7 +140,7 @@ class Train(Service):
         self.lag_sum, self.lag_tokens = self.lag_sum + lags, self.lag_tokens + tokens
         result = train_step(self.model, self.optimizer, batch, self.config, self.config.optim,
                             self.version)
-        result.metrics.update(row_metrics(batch))
+        result.metrics.update(row_metrics(batch, self.config.collapse.wrong_reward_max))
         if not result.metrics.get("tokens/count"):  # no trained token to take an entropy of
             result.metrics.pop("entropy/mean", None)
         self.version += 1

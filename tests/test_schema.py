@@ -56,6 +56,17 @@ def test_validate_batch_names_a_missing_column():
         validate_batch(b, SMALL, "edge x")
 
 
+def test_a_duplicated_column_is_refused_naming_it_and_the_edge():
+    schema = make_schema([*SMALL, COLUMNS["reward"]], "trajectory")
+    b = batch_from_rows([_row(reward=1.0)], schema)
+    twice = b.append_column(COLUMNS["reward"], pa.array([0.0], pa.float32()))  # a second 'reward'
+    with pytest.raises(ValueError, match=r"edge x: batch does not match schema 'trajectory': duplicated columns "
+                                         r"\['reward'\]"):
+        validate_batch(twice, schema, "edge x")
+    with pytest.raises(ValueError, match=r"output s\.out: .*duplicated columns \['reward'\]"):
+        conform(twice, schema, "output s.out")
+
+
 def test_conform_reorders_columns_and_rejects_wrong_types():
     b = batch_from_rows([_row()], SMALL)
     shuffled = b.select(["loss_mask", "sample_id", "token_ids"])

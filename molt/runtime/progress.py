@@ -128,7 +128,8 @@ class Progress:
 
 
 def _collapse(values: dict[str, float], sid: str) -> list[str]:
-    keys = ("entropy/mean", "collapse/identical_groups_frac", "collapse/zero_variance_frac")
+    keys = ("collapse/identical_wrong_frac", "collapse/identical_groups_frac",
+            "collapse/zero_variance_frac", "entropy/mean")
     return [f"{k} {values[f'{sid}/{k}']:.3g}" for k in keys if f"{sid}/{k}" in values]
 
 
