@@ -338,3 +338,38 @@ def test_the_engine_seed_samples_requests_that_bring_none_and_a_request_seed_win
     seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
     assert [c.token_ids for c in run(sample_n(TransformersEngine(tiny_model, seed=6), "q", seeded, 4))] == \
         [c.token_ids for c in first]
+
+
+@pytest.mark.parametrize("how", ["killed", "failed"])
+def test_a_dead_vllm_engine_core_is_reported_with_its_signal_or_exit_code(how):
+    """vLLM's own message points at a stack trace that a killed engine core never wrote."""
+    import multiprocessing
+    import signal
+    import sys
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+    from molt.engines.base import Engine, EngineDeadError
+    from molt.engines.vllm import VLLMEngine
+
+    core = multiprocessing.get_context("fork").Process(target=time.sleep if how == "killed" else sys.exit,
+                                                       args=(60 if how == "killed" else 3,))
+    core.start()
+    if how == "killed":
+        os.kill(core.pid, signal.SIGKILL)
+    engine = VLLMEngine.__new__(VLLMEngine)  # an engine whose core process is `core`
+    Engine.__init__(engine)
+    engine.dead_errors = (EngineDeadError, VLLMEngineDead)
+    manager = SimpleNamespace(processes=[core])
+    engine._llm = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_manager=manager)))
+    vllm_says = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+    async def request():
+        raise VLLMEngineDead()
+
+    with pytest.raises(EngineDeadError) as dead:
+        run(engine.tracked("request 'r0'", request))
+    status = "was killed by signal SIGKILL" if how == "killed" else f"exited with code 3; vLLM: {vllm_says}"
+    assert str(dead.value) == f"request 'r0': the engine died: vLLM's engine core (pid {core.pid}) {status}"

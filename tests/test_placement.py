@@ -322,5 +322,5 @@ def test_the_watchdog_reports_the_stacks_of_a_ray_placed_process(tmp_path, no_or
     spec.update(watchdog_s=25, placement={"backend": "ray"})  # after the launchers and stages have started
     code, summary, err = molt_run(spec, tmp_path / "ray")
     assert code == 1 and summary["failed_stage"] == "watchdog", err[-3000:]
-    stacks = summary["error"].split("slow.0:")[1]  # from its launcher, on its node
+    stacks = summary["error"].rsplit("slow.0 (pid", 1)[1]  # from its launcher, on its node
     assert "stages.py" in stacks and "process" in stacks, summary["error"][-3000:]

@@ -157,9 +157,10 @@ def test_a_second_ctrl_c_kills_at_once_and_the_run_still_ends_cleanly(tmp_path, 
 
 
 def test_a_killed_molt_run_leaves_no_process_and_no_scratch_folder_behind(tmp_path, no_orphans):
+    """Even a process that a stage started in a session of its own (as a daemon, or a helper that calls setsid)."""
     run_dir = tmp_path / "run"
-    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"replicas": 2, "config": {"sleep_s": 30, "spawn_child": True}}),
-                 num_groups=8)
+    spec = chain(("slow", "tests.doubles.stages.Sleepy", {"replicas": 2, "config": {
+        "sleep_s": 30, "spawn_child": True, "child_session": True}}), num_groups=8)
     path = tmp_path / "p.yaml"
     path.write_text(json.dumps(spec))
     proc = subprocess.Popen([*MOLT, "run", str(path), "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
@@ -182,6 +183,79 @@ def test_a_killed_molt_run_leaves_no_process_and_no_scratch_folder_behind(tmp_pa
     assert not scratch.exists()
 
 
+def test_the_janitor_kills_a_runs_process_in_any_session_and_unlinks_only_the_shared_memory_it_made(tmp_path):
+    """A run's process in a session of its own holding shared memory and a semaphore (as vLLM's engine core):
+    at the run's end the janitor kills it and unlinks both; an older object it only opened and a process
+    outside the run are left alone."""
+    from multiprocessing import shared_memory
+
+    from molt.runtime.placement import Janitor
+    from molt.runtime.stage import SCRATCH_ENV
+
+    older = shared_memory.SharedMemory(create=True, size=4096)  # made before the run
+    outside = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    janitor = Janitor(scratch)
+    code = ("import multiprocessing, sys, time; from multiprocessing import shared_memory\n"
+            "made = shared_memory.SharedMemory(create=True, size=1 << 20)\n"
+            "lock = multiprocessing.get_context('spawn').Lock()  # /dev/shm/sem.mp-*\n"
+            "opened = open('/dev/shm/' + sys.argv[1], 'rb')\n"
+            "print(made.name, 'sem.' + lock._semlock.name.lstrip('/'), flush=True)\n"
+            "time.sleep(60)")
+    helper = subprocess.Popen([sys.executable, "-c", code, older.name], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, SCRATCH_ENV: str(scratch)}, start_new_session=True)
+    try:
+        made = helper.stdout.readline().split()
+        assert len(made) == 2 and all(os.path.exists(f"/dev/shm/{name}") for name in made)
+        janitor.done()
+        assert helper.wait(timeout=10) == -signal.SIGKILL and outside.poll() is None
+        assert not [name for name in made if os.path.exists(f"/dev/shm/{name}")]
+        assert os.path.exists(f"/dev/shm/{older.name}") and not scratch.exists()
+    finally:
+        helper.kill()
+        outside.kill()
+        older.unlink()
+
+
+# about 50 s each on 2 CPUs: Ctrl-C's stop is the same cleanup at the same end, among the slow tests
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGKILL", "SIGINT"])
+def test_a_killed_or_interrupted_run_with_a_vllm_engine_leaves_no_process_and_no_shared_memory(
+        how, default_model_dir, tmp_path, no_orphans):
+    """vLLM's engine core and workers hold ~400 MiB of shared memory (/dev/shm/psm_*, sem.mp-*) that its own
+    shutdown alone unlinks."""
+    pytest.importorskip("vllm")
+
+    def shm() -> dict[str, int]:  # name -> inode of each object of Python's multiprocessing
+        found = {}
+        for entry in os.scandir("/dev/shm"):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                if entry.name.startswith(("psm_", "sem.mp-")):
+                    found[entry.name] = entry.stat().st_ino
+        return found
+
+    before, run_dir = shm(), tmp_path / "run"
+    proc = subprocess.Popen([*MOLT, "run", "pipelines/rollout_only.yaml", "--run-dir", str(run_dir),
+                             "--set", "stages.source.config.task.num_problems=100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = run_dir / "logs" / "rollout.0.log", time.monotonic() + 240
+    while not (log.exists() and "vLLM engine for" in log.read_text()) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended early"
+        time.sleep(0.5)
+    started = psutil.Process(proc.pid).children(recursive=True)  # the janitor, stages, engine core and workers
+    assert len(started) >= 6 and shm().keys() - before.keys(), "the engine runs, holding shared memory"
+    proc.send_signal(how)
+    proc.wait(timeout=120)
+    psutil.wait_procs(started, timeout=60)
+    assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    mapped = set()  # by any process: another run's (other tests may run meanwhile)
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {int(line.split()[4]) for line in maps.read_text().splitlines() if " /dev/shm/" in line}
+    assert not [name for name, inode in shm().items() if name not in before and inode not in mapped]
+
+
 def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_process_was_doing(tmp_path, no_orphans):
     spec = chain(("slow", "tests.doubles.stages.Sleepy", {"config": {"sleep_s": 600}}), num_groups=8)
     spec["watchdog_s"] = 10  # past the stages' start, even on a slow machine
@@ -189,10 +263,16 @@ def test_the_watchdog_stops_a_run_that_makes_no_progress_and_shows_what_each_pro
     code, summary = run_spec(spec, tmp_path / "run")
     assert code == 1 and time.monotonic() - start < 60
     assert summary["failed_stage"] == "watchdog"
-    error = summary["error"]
-    assert error.startswith("no process wrote a metric line for ") and "(watchdog_s 10); what each was doing" in error
-    stacks = error.split("slow.0:")[1]  # py-spy's "Sleepy.process (doubles/stages.py:65)" or faulthandler's
-    assert "stages.py" in stacks and "process" in stacks, error[-3000:]  # 'File ".../stages.py", line 65 in process'
+    error, [pid] = summary["error"], json.loads((tmp_path / "run" / "pids.slow.0").read_text())
+    head = error.split("; what each was doing:\n\n")[0]
+    assert re.match(r"no metric line for 1\d s \(watchdog_s 10\): ", head), head
+    silences = re.findall(r"(\w+)\.0 \(pid (\d+)\) silent (1\d) s(, no line yet)?", head)  # name, pid, s, none
+    assert [s for _, _, s, _ in silences] == sorted((s for _, _, s, _ in silences), reverse=True), head
+    assert {(name, none) for name, _, _, none in silences} >= {("sink", ", no line yet")}, head
+    assert ("slow", str(pid)) in {(name, p) for name, p, _, _ in silences}, head
+    stacks = error.rsplit(f"slow.0 (pid {pid})", 1)[1].split("\n\nsink.0 (pid")[0]  # py-spy's "Sleepy.process
+    # (doubles/stages.py:65)" or faulthandler's 'File ".../stages.py", line 65 in process'
+    assert "stages.py" in stacks and "process" in stacks, error[-3000:]
 
 
 def test_stop_when_ends_the_run_cleanly_at_the_first_line_that_meets_it_and_says_when(tmp_path, no_orphans):

@@ -138,7 +138,7 @@ class Engine(abc.ABC):
             if killed_here := task in self._cancelled:  # kill's cancel: the engine's death
                 task.uncancel()
             if isinstance(error, self.dead_errors) and self.killed is None:  # the rest must hear it
-                self.kill(f"the engine died ({error})")
+                self.kill(f"the engine died: {self.describe_death(error)}")
             if self.killed is None or isinstance(error, asyncio.CancelledError) and not killed_here:
                 raise  # not the engine's death (a cancel from elsewhere stays a cancel)
             raise EngineDeadError(f"{what}: {self.killed}") from error
@@ -176,6 +176,10 @@ class Engine(abc.ABC):
 
     def _kill_processes(self) -> None:
         """SIGKILL the engine's processes, stopped ones too."""
+
+    def describe_death(self, error: Exception) -> str:
+        """What ended the engine, ``error`` being what work in flight met."""
+        return str(error)
 
     @abc.abstractmethod
     async def pause(self) -> None:

@@ -138,8 +138,8 @@ class EngineRestarter:
             self._refused = RuntimeError(f"the engine died and is not restarted ({why}): {error}")
             raise self._refused from error
         self.metrics.count("engine_restarts")
-        self.log.warning("the engine died (%s); restarting it (restart %d within %.0f s; it was at "
-                         "version %d) and retrying the groups it had in flight", error,
+        self.log.warning("%s; restarting the engine (restart %d within %.0f s; it was at version "
+                         "%d) and retrying the groups it had in flight", error,
                          len(self._times), self.config.window_s, dead.policy_version)
 
     def _watch(self) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -340,13 +341,30 @@ class VLLMEngine(Engine):
                 self._adapters.close()
             logger.info("vLLM engine closed")
 
+    def _cores(self) -> list[Any]:
+        """vLLM's engine core processes (multiprocessing.Process)."""
+        client = getattr(self._llm, "engine_core", None)
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", ()))
+
+    def describe_death(self, error: Exception) -> str:
+        """Each engine core's exit status, then vLLM's message unless signals killed the cores (the
+        stack trace it points at exists only where a core raised)."""
+        ends, signalled = [], True
+        for core in self._cores():
+            core.join(timeout=1.0)  # vLLM reports a core's end before it is reaped
+            code = core.exitcode
+            signalled &= code is not None and code < 0
+            ends.append(f"vLLM's engine core (pid {core.pid}) " + (
+                "is still running" if code is None else f"exited with code {code}" if code >= 0
+                else f"was killed by signal {signal.Signals(-code).name}"))
+        return "; ".join(ends if ends and signalled else [*ends, f"vLLM: {error}"])
+
     def _kill_processes(self) -> None:
         """SIGKILL vLLM's engine cores and their workers; vLLM then fails every request."""
         import psutil
 
-        core_client = getattr(self._llm, "engine_core", None)
-        manager = getattr(getattr(core_client, "resources", None), "engine_manager", None)
-        for core in getattr(manager, "processes", ()):
+        for core in self._cores():
             if core.exitcode is not None:  # reaped: its pid may be another process's
                 continue
             with contextlib.suppress(psutil.Error):  # gone meanwhile (vLLM's monitor reaps it)

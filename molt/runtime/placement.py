@@ -25,6 +25,8 @@ from typing import Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt.runtime.stage import SCRATCH_ENV
+
 FORWARDED_ENV = ("MOLT_", "HF_", "VLLM_", "NCCL_")  # passed on by a remote launcher
 
 
@@ -172,6 +174,10 @@ class Proc:
                                      preexec_fn=partial(start_child, cpus))
         return cls(name, popen, log_path, started=started)
 
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
     def poll(self) -> int | None:
         """The exit code, or None while running (noting its descendants, to stop them later)."""
         if self.popen.poll() is None:
@@ -237,45 +243,97 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
+SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_")  # multiprocessing's shared memory, semaphores; vLLM's
+
+
 class Janitor:
-    """A process that cleans up after a ``molt run`` killed outright: when its pipe closes
-    without `done`, it kills every process still in the sessions it watched (what stage
-    processes started outlives them) and removes the scratch folder."""
+    """A process that cleans up after a run, whatever its end (``molt run`` killed outright too):
+    every second it notes the run's processes and shared memory (`RunProcesses`); when its pipe
+    closes it kills those processes, unlinks those objects and removes the scratch folder."""
 
     def __init__(self, scratch: Path) -> None:
         import sys
 
         code = "from molt.runtime.placement import janitor_main; janitor_main()"
-        self.popen = subprocess.Popen([sys.executable, "-c", code, str(scratch)],
-                                      stdin=subprocess.PIPE, text=True, start_new_session=True)
-
-    def watch(self, proc: Proc) -> None:
-        assert self.popen.stdin is not None
-        with contextlib.suppress(psutil.Error):  # gone already: nothing to clean up
-            started = psutil.Process(proc.popen.pid).create_time()
-            self.popen.stdin.write(f"{proc.popen.pid} {started}\n")
-            self.popen.stdin.flush()
+        self.popen = subprocess.Popen([sys.executable, "-c", code, str(scratch), repr(time.time())],
+                                      stdin=subprocess.PIPE, start_new_session=True)
 
     def done(self) -> None:
-        """``molt run`` stopped its processes itself: the janitor exits (idempotent)."""
-        if self.popen.stdin is not None and not self.popen.stdin.closed:
-            self.popen.stdin.write("done\n")
-            self.popen.stdin.close()
+        """``molt run`` stopped its processes: wait for the janitor's cleanup (idempotent)."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.close()
         self.popen.wait()
 
 
 def janitor_main() -> None:
-    """The `Janitor` process: sessions on stdin, ``done`` to exit."""
+    """The `Janitor` process: argv: the scratch folder, the run's start (time.time())."""
+    import select
     import sys
 
-    sessions: dict[int, float] = {}
-    for line in sys.stdin:
-        if line == "done\n":
-            return
-        pid, started = line.split()
-        sessions[int(pid)] = float(started)
-    kill_sessions(sessions)  # molt run is gone without saying done
+    run = RunProcesses(sys.argv[1], float(sys.argv[2]))
+    while not select.select([sys.stdin], [], [], 1.0)[0]:  # until the pipe closes
+        run.note()
+    run.clean()
     shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+class RunProcesses:
+    """A run's processes, whatever session they moved to, and the shared memory they made.
+
+    A process is the run's when its environment names the scratch folder (`SCRATCH_ENV`: every
+    stage's does, and what it starts inherits it, surviving ``setsid`` and its parent's death), or
+    it descends from one (a child started with a cleared environment). An object in /dev/shm is
+    the run's when a run process had it open or mapped (by inode: a semaphore is mapped under a
+    temporary name), it changed after the run started, and `SHM_PREFIXES` names it.
+    """
+
+    def __init__(self, scratch: str, start: float) -> None:
+        self.scratch, self.start = scratch, start
+        self.procs: dict[int, psutil.Process] = {}
+        self.shm: set[int] = set()  # inodes seen
+
+    def note(self) -> list[psutil.Process]:
+        """Note the run's processes and the objects they hold now; returns those alive."""
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):  # gone, or not ours to read
+                if proc.environ().get(SCRATCH_ENV) == self.scratch:
+                    self.procs |= {p.pid: p for p in [proc, *proc.children(recursive=True)]}
+        alive = []
+        for proc in self.procs.values():
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    self.shm |= shm_held(proc.pid)
+                    alive.append(proc)
+        return alive
+
+    def clean(self, timeout_s: float = 30.0) -> None:
+        """SIGKILL the run's processes until none is left (or ``timeout_s``), then unlink its
+        shared-memory objects."""
+        deadline = time.monotonic() + timeout_s
+        while (alive := self.note()) and time.monotonic() < deadline:
+            for proc in alive:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs(alive, timeout=1.0)
+        for entry in os.scandir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                st = entry.stat(follow_symlinks=False)
+                if (entry.name.startswith(SHM_PREFIXES) and st.st_ino in self.shm
+                        and st.st_ctime >= self.start):
+                    os.unlink(entry.path)
+
+
+def shm_held(pid: int) -> set[int]:
+    """Inodes of the /dev/shm files process ``pid`` has open or mapped."""
+    held = set()
+    with contextlib.suppress(OSError):  # gone, or not ours to read
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd.path).startswith("/dev/shm/"):
+                    held.add(os.stat(fd.path).st_ino)
+        with open(f"/proc/{pid}/maps") as maps:  # address perms offset dev inode [path]
+            held |= {int(f[4]) for f in map(str.split, maps) if f[5:] and f[5][:9] == "/dev/shm/"}
+    return held
 
 
 def kill_sessions(sessions: dict[int, float]) -> None:
@@ -303,13 +361,11 @@ class LocalSlot:
 
         if self.backend.janitor is None:
             self.backend.janitor = Janitor(scratch)
-        proc = Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, log_path)
-        self.backend.janitor.watch(proc)
-        return proc
+        return Proc.start(name, [sys.executable, *argv], {**os.environ, **env}, cpus, log_path)
 
 
 class LocalBackend:
-    """Every process a child of ``molt run``, a `Janitor` watching them."""
+    """Every process a child of ``molt run``, a `Janitor` cleaning up after them."""
 
     def __init__(self) -> None:
         self.janitor: Janitor | None = None

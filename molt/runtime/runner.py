@@ -194,18 +194,26 @@ class Runner:
             time.sleep(0.2)
 
     def _stalled(self) -> bool:
-        """True, with every running process's stacks in ``failure``, when no metric line was
-        written for ``watchdog_s``."""
-        limit = self.pipe.spec.watchdog_s
-        files = list((self.run_dir / "metrics").glob("*.jsonl"))
-        quiet = time.time() - max([f.stat().st_mtime for f in files] + [self.start_unix])
-        if limit is None or quiet < limit:
+        """True, with each running process's silence and stacks in ``failure``, when no metric
+        line was written for ``watchdog_s``. Silence counts from a process's last line, else
+        from the start; the longest silent comes first, upstream first on a tie."""
+        limit, metrics = self.pipe.spec.watchdog_s, self.run_dir / "metrics"
+        written = {f.stem: f.stat().st_mtime for f in metrics.glob("*.jsonl") if f.stat().st_size}
+        last = {p.name: max(written.get(p.name, 0.0), written.get(f"{p.name}.rank0", 0.0))
+                for p in self.procs}
+        silent_s = {name: time.time() - max(t, self.start_unix) for name, t in last.items()}
+        if limit is None or min(silent_s.values()) < limit:
             return False
-        log.error("no progress for %.0f s (watchdog_s %g): dumping every process's stacks, then "
-                  "stopping", quiet, limit)
-        report = "\n\n".join(f"{p.name}:\n{p.stacks()}" for p in self.procs if p.poll() is None)
-        self.failure = {"stage": "watchdog", "error": f"no process wrote a metric line for "
-                        f"{quiet:.0f} s (watchdog_s {limit:g}); what each was doing:\n\n{report}"}
+        order = self.pipe.topo_order()
+        running = sorted((p for p in self.procs if p.poll() is None), key=lambda p: (
+            -round(silent_s[p.name]), order.index(p.name.rpartition(".")[0])))
+        heads = [f"{p.name} (pid {p.pid}) silent {silent_s[p.name]:.0f} s"
+                 + ("" if last[p.name] > self.start_unix else ", no line yet") for p in running]
+        head = f"no metric line for {min(silent_s.values()):.0f} s (watchdog_s {limit:g})"
+        log.error("%s: %s; dumping their stacks, then stopping", head, "; ".join(heads))
+        report = "\n\n".join(f"{h}:\n{p.stacks()}" for h, p in zip(heads, running))
+        self.failure = {"stage": "watchdog", "error": f"{head}: {'; '.join(heads)}; what each "
+                        f"was doing:\n\n{report}"}
         return True
 
     def run(self) -> int:

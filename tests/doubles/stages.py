@@ -49,6 +49,7 @@ class Sleepy(Transform):
     class Config(StageConfig):
         sleep_s: float = 0.5
         spawn_child: bool = False
+        child_session: bool = False  # the child in a session of its own (setsid), as a daemon
         ignore_sigterm: bool = False  # it and its child: only SIGKILL stops them
 
     def setup(self) -> None:
@@ -57,7 +58,7 @@ class Sleepy(Transform):
         if self.config.ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.config.spawn_child:  # like an engine process under a stage (SIG_IGN is inherited)
-            self.child = subprocess.Popen(["sleep", "300"])
+            self.child = subprocess.Popen(["sleep", "300"], start_new_session=self.config.child_session)
             pids.append(self.child.pid)
         (self.ctx.run_dir / f"pids.{self.ctx.stage_id}.{self.ctx.replica}").write_text(json.dumps(pids))
 
