@@ -1,19 +1,12 @@
 """Statistics over per-seed results (one float per seed), for `molt sweep` and `molt compare`.
 
 For arms A and B on one metric, d = mean B - mean A:
-  - Welch's t-test (Welch 1947), unequal variances: `p_different` (two-sided), `welch_ci`.
-  - Percentile bootstrap of d (Efron & Tibshirani 1993, ch. 13): no normality assumed, but too
-    narrow with few seeds.
+  - Welch's t-test (Welch 1947): `p_different` (two-sided), `welch_ci`.
+  - Percentile bootstrap of d (Efron & Tibshirani 1993, ch. 13): too narrow with few seeds.
   - TOST, two one-sided Welch tests (Schuirmann 1987): is d inside (-margin, +margin)?
-    `p_equivalent` is the larger p-value (failing to show a difference is not equivalence).
 
-Worked example, A = [0.70, 0.74, 0.78], B = [0.80, 0.82, 0.84], confidence 0.95, margin 0.1:
-    means 0.74 and 0.82, std 0.04 and 0.02, d = 0.08
-    Welch t = 0.08 / sqrt(0.04**2/3 + 0.02**2/3) = 3.0984 on df = 50/17 = 2.9412
-    p_different 0.05479, Welch CI [-0.003108, 0.1631], bootstrap CI (seed 0) [0.04, 0.12]
-    TOST p-values 0.003229 (d > -0.1) and 0.2480 (d < 0.1): p_equivalent 0.2480, inconclusive;
-    sigma = sqrt((0.04**2 + 0.02**2) / 2), equivalence needs
-    2 * (1.6449 + 1.2816)**2 * 0.001 / (0.1 - 0.08)**2 = 42.8 -> 43 seeds per arm.
+Example, A = [0.70, 0.74, 0.78], B = [0.80, 0.82, 0.84], confidence 0.95, margin 0.1: d = 0.08,
+Welch t = 3.0984 on df = 50/17, p_different 0.05479, p_equivalent 0.2480, seeds_needed 43.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ def summarize(values: Sequence[float], confidence: float = 0.95) -> dict[str, An
     """n, mean, std (ddof=1), sem = std / sqrt(n) and ci = mean -+ t_{(1+confidence)/2, n-1} * sem.
 
     std, sem and ci are None for n < 2; equal values give std = sem = 0 and ci [mean, mean].
-    Example: [1, 2, 3, 4] -> mean 2.5, std 1.291, ci 2.5 -+ 3.1824 * 0.6455 = [0.4457, 4.5543].
 
     Raises:
         ValueError: no values, a NaN, or ``confidence`` outside (0, 1).
@@ -61,7 +53,7 @@ def summarize(values: Sequence[float], confidence: float = 0.95) -> dict[str, An
 
 @dataclass(frozen=True)
 class Comparison:
-    """The result of `compare`: arm summaries, d = mean B - mean A, intervals, p-values, verdict."""
+    """The result of `compare`; ``difference`` d = mean B - mean A."""
 
     metric: str
     a: dict[str, Any]
@@ -77,14 +69,14 @@ class Comparison:
     confidence: float
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, intervals as lists (for json.dumps)."""
+        """Every field, intervals as lists."""
         out = dict(self.__dict__)
         for key in ("welch_ci", "bootstrap_ci"):
             out[key] = None if out[key] is None else list(out[key])
         return out
 
     def describe(self) -> str:
-        """The arms, the difference, the intervals, the p-values and the verdict, for people."""
+        """The comparison, for people."""
         level = f"{self.confidence:.0%} CI"
         lines = [f"{self.metric}"]
         for name, arm in (("A", self.a), ("B", self.b)):
@@ -115,7 +107,7 @@ def _mean_difference(x: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _tost(a: np.ndarray, b: np.ndarray, margin: float) -> float:
-    """max(p_low, p_high): one-sided Welch tests of H0 d <= -margin and of H0 d >= +margin."""
+    """max p of one-sided Welch tests of H0 d <= -margin and of H0 d >= +margin."""
     p_low = stats.ttest_ind(b + margin, a, equal_var=False, alternative="greater").pvalue
     p_high = stats.ttest_ind(b - margin, a, equal_var=False, alternative="less").pvalue
     return float(max(p_low, p_high))
@@ -123,7 +115,7 @@ def _tost(a: np.ndarray, b: np.ndarray, margin: float) -> float:
 
 def _welch_bootstrap(a: np.ndarray, b: np.ndarray, confidence: float,
                      seed: int) -> tuple[float, Interval, Interval]:
-    """(Welch two-sided p-value, Welch interval of d, percentile-bootstrap interval of d)."""
+    """(Welch two-sided p, Welch interval of d, percentile-bootstrap interval of d)."""
     welch = stats.ttest_ind(b, a, equal_var=False)
     low, high = welch.confidence_interval(confidence)
     boot = stats.bootstrap((b, a), _mean_difference, vectorized=True, n_resamples=9999,
@@ -134,8 +126,8 @@ def _welch_bootstrap(a: np.ndarray, b: np.ndarray, confidence: float,
 
 def seeds_needed(difference: float, sigma: float, margin: float | None,
                  confidence: float) -> int | None:
-    """Seeds per arm for 80% power at the observed spread, by the normal approximation of Chow,
-    Shao & Wang, "Sample Size Calculations in Clinical Research" (2008), ch. 3.2; a floor.
+    """Seeds per arm for 80% power at the observed spread (a floor), by the normal approximation
+    of Chow, Shao & Wang, "Sample Size Calculations in Clinical Research" (2008), ch. 3.2.
 
     With alpha = 1 - confidence, beta = 0.2, z_p = norm.ppf(p), d = |difference|, rounded up:
       equivalence (margin, d < margin): 2 (z_{1-alpha} + z_{1-beta/2})^2 sigma^2 / (margin - d)^2
@@ -155,9 +147,8 @@ def compare(a: Sequence[float], b: Sequence[float], metric: str, margin: float |
     """Compare arm B with arm A on one metric: Welch, bootstrap and (with a margin) TOST.
 
     verdict: "equivalent" if p_equivalent < alpha = 1 - confidence, else "different" if
-    p_different < alpha, else "inconclusive" (with `seeds_needed`). With no spread in either arm
-    the limits are used: p_different 1.0 if d == 0 else 0.0, p_equivalent 0.0 if |d| < margin
-    else 1.0, both intervals [d, d]. The bootstrap is deterministic for a seed.
+    p_different < alpha, else "inconclusive" (with `seeds_needed`). With no spread in either arm:
+    p-values 0.0 or 1.0, intervals [d, d]. The bootstrap is deterministic for a seed.
 
     Raises:
         ValueError: an arm with fewer than 2 values, or a margin not above 0.
@@ -192,9 +183,7 @@ def compare(a: Sequence[float], b: Sequence[float], metric: str, margin: float |
 def first_reach(points: Sequence[tuple[float, float, float | None]], threshold: float,
                 lower_bound: bool = False) -> float | None:
     """Time of the first (time_s, value, stderr) point, in time order, with value >= threshold
-    (with lower_bound: value - stderr, a None stderr as 0); None if never. Example:
-    [(10, 0.5, 0.1), (20, 0.7, 0.1), (30, 0.8, 0.05)], threshold 0.7 -> 20; lower bound 30.
-    """
+    (with lower_bound: value - stderr, a None stderr as 0); None if never."""
     for time_s, value, stderr in points:
         margin = (stderr or 0.0) if lower_bound else 0.0
         if value - margin >= threshold:

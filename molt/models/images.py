@@ -1,9 +1,8 @@
 """Images in messages, records, engines and the trainer, through the model's own processor.
 
 A message's ``content`` is a string or a list of parts, ``{"type": "text", "text": ...}`` and
-``{"type": "image", "image": "data:image/png;base64,..."}``. The chat template sees each image as
-the processor's placeholder (LLaVA ``<image>``), whose image token `VisionProcessor` expands into
-the image's tokens, so ``token_ids`` hold exactly what the model's forward sees.
+``{"type": "image", "image": "data:image/png;base64,..."}``. ``token_ids`` hold each image's
+tokens, exactly what the model's forward sees.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ _DATA_URL = "data:image/"
 
 
 def image_part(data: bytes, mime: str = "image/png") -> dict[str, str]:
-    """A message part holding an encoded image as a data URL."""
+    """A message part of an encoded image."""
     return {"type": "image", "image": f"data:{mime};base64,{base64.b64encode(data).decode()}"}
 
 
@@ -42,8 +41,7 @@ def decode_image_part(part: dict[str, Any], where: str) -> bytes:
 
 def flatten_messages(messages: Sequence[dict[str, Any]], placeholder: str | None,
                      where: str) -> tuple[list[dict[str, str]], list[bytes]]:
-    """Messages with string contents (each image part replaced by ``placeholder``), and the
-    images in order.
+    """Messages with image parts replaced by ``placeholder``, and the images in order.
 
     Raises:
         ValueError: an image part and no ``placeholder`` (a text-only model), or an unknown part.
@@ -76,10 +74,8 @@ def flatten_messages(messages: Sequence[dict[str, Any]], placeholder: str | None
 class VisionProcessor:
     """A vision-language model folder's image tokens and image processor.
 
-    Tokens per image are fixed for LLaVA (``image_seq_length``), or for Qwen-VL (an image
-    processor with ``merge_size``) ``t * h * w / merge_size**2`` of the image's (t, h, w) grid of
-    patches (Qwen2-VL, arXiv 2409.12191, sec. 2.1): patch 16, merge 2, 64x64 resized to 256x256:
-    grid (1, 16, 16), 64 tokens.
+    Tokens per image: LLaVA ``image_seq_length``; Qwen-VL ``t * h * w / merge_size**2`` of the
+    (t, h, w) patch grid (Qwen2-VL, arXiv 2409.12191, sec. 2.1).
 
     Raises:
         ValueError: config.json has no image token id, or tokens per image are found neither way.
@@ -111,7 +107,7 @@ class VisionProcessor:
 
     @staticmethod
     def of(model_dir: str | Path, tokenizer: Any = None) -> VisionProcessor | None:
-        """The processor of a folder whose config.json has a ``vision_config``, else None."""
+        """The processor of a VLM folder, else None."""
         path = Path(model_dir) / "config.json"
         is_vlm = path.is_file() and "vision_config" in json.loads(path.read_text())
         return VisionProcessor(model_dir, tokenizer) if is_vlm else None
@@ -125,7 +121,7 @@ class VisionProcessor:
                 for w, h in sizes]
 
     def expand(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
-        """[T'] ids with the k-th image token repeated as many times as image k has tokens.
+        """[T'] ids with the k-th image token repeated once per token of image k.
 
         Raises:
             ValueError: the ids hold another number of image tokens than ``images``.
@@ -141,7 +137,7 @@ class VisionProcessor:
         return out
 
     def collapse(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
-        """The inverse of `expand`, for vLLM, which expands itself; assumes `check` passed."""
+        """The inverse of `expand` (for vLLM); assumes `check` passed."""
         out, left = [], 0
         counts = iter(self.token_counts(images))
         for token in token_ids:
@@ -155,14 +151,14 @@ class VisionProcessor:
         return out
 
     def positions(self, token_ids: Sequence[int]) -> list[int]:
-        """[total image tokens] positions of image tokens in ``token_ids``."""
+        """[total image tokens] positions of image tokens."""
         return [i for i, t in enumerate(token_ids) if t == self.image_token_id]
 
     def check(self, token_ids: Sequence[int], images: Sequence[bytes], sample: str) -> list[int]:
         """`token_counts` of ``images``, if the ids' image tokens split into them in order.
 
         Raises:
-            ValueError: naming ``sample`` and the counts (e.g. a sequence cut inside an image).
+            ValueError: naming ``sample``, e.g. a sequence cut inside an image.
         """
         counts = self.token_counts(images)
         runs = [len(list(run)) for token, run in groupby(token_ids) if token == self.image_token_id]
@@ -192,10 +188,8 @@ class VisionProcessor:
 
 def mrope_positions(rope_index: Any, token_ids: torch.Tensor, image_token_id: int,
                     image_grid_thw: torch.Tensor) -> torch.Tensor:
-    """[3, T] (temporal, height, width) positions of one Qwen-VL sequence, by the model's own
-    ``get_rope_index``. Multimodal RoPE (Qwen2-VL, arXiv 2409.12191, sec. 2.1): text tokens
-    take (p, p, p); an image's token at grid row i, column j takes (s, s + i, s + j), and the
-    text after the image resumes at s + max(h, w) / merge_size."""
+    """[3, T] (temporal, height, width) positions of one Qwen-VL sequence, by the model's
+    ``get_rope_index``: multimodal RoPE (Qwen2-VL, arXiv 2409.12191, sec. 2.1)."""
     ids = token_ids[None]  # [1, T]
     types = (ids == image_token_id).int()  # 1 = image token (mm_token_type_ids)
     positions, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw)
@@ -218,8 +212,8 @@ def row_images(batch: Any) -> list[tuple[bytes, ...]]:
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """``tensors``: `VisionProcessor.model_inputs` of a packed micro-batch's distinct images;
-    ``row_images`` [R]: the indices of each row's images among them."""
+    """`VisionProcessor.model_inputs` of a micro-batch's distinct images; ``row_images`` [R]: the
+    indices of each row's images among them."""
 
     tensors: dict[str, torch.Tensor]
     row_images: list[list[int]]
@@ -228,10 +222,8 @@ class VisionInputs:
 def packed_vision_inputs(vision: VisionProcessor | None, rows: Sequence[Sequence[int]],
                          images: Sequence[Sequence[bytes] | None], sample_ids: Sequence[str],
                          token_index: torch.Tensor) -> VisionInputs | None:
-    """The `VisionInputs` of a packed micro-batch (None without images); ``token_index`` [sum of
-    row lengths] is the packed position of each row token. An image of a prompt that rows share
-    is given once: rows A, B share a prompt with image red, row C has blue -> images [red,
-    blue], row_images [[0], [0], [1]].
+    """The `VisionInputs` of a packed micro-batch, or None; ``token_index`` [sum of row lengths]:
+    the packed position of each row token. An image of a shared prompt is given once.
 
     Raises:
         ValueError: naming the sample: images that do not match its image tokens, or any image

@@ -1,9 +1,7 @@
 """The policy model on a data-parallel group: load, FSDP2-wrap, packed logprobs, export.
 
-`PolicyModel` wraps a Hugging Face causal LM so that a packed forward returns each next token's
-logprob (molt.train.logprobs), attention row by row (molt.train.attention). On more than one
-rank, or in bf16, FSDP2 shards each decoder layer, then the wrapper; its reduce-scatter
-*averages* gradients, so the caller multiplies each loss share by the world size.
+FSDP2's reduce-scatter *averages* gradients: the caller multiplies each loss share by the world
+size.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_process_group(device: str = "cpu") -> None:
-    """Start a one-rank process group unless one exists (gloo; on cuda, nccl for CUDA tensors)."""
+    """Start a one-rank process group unless one exists."""
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
@@ -46,7 +44,7 @@ def ensure_process_group(device: str = "cpu") -> None:
 
 
 def resolve_device(device: str) -> str:
-    """The torch device a rank trains on: "cpu", or "cuda" -> "cuda:LOCAL_RANK" made current.
+    """The device: "cpu", or "cuda" -> "cuda:LOCAL_RANK" (made current).
 
     Raises:
         ValueError: a CUDA device without CUDA, or an unknown device type.
@@ -65,7 +63,7 @@ def resolve_device(device: str) -> str:
 
 
 def native_bf16_cpu() -> bool:
-    """Whether /proc/cpuinfo lists AVX512-BF16 or AMX-BF16 (bf16 matmuls in hardware)."""
+    """Whether the CPU has bf16 matmuls in hardware (AVX512-BF16 or AMX-BF16)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -74,7 +72,7 @@ def native_bf16_cpu() -> bool:
 
 
 def check_compute_dtype(compute_dtype: str, device: str) -> None:
-    """Refuse an unknown dtype; warn of bf16 on a CPU without native bf16 matmuls.
+    """Refuse an unknown dtype; warn of bf16 on a CPU without bf16 matmuls.
 
     Raises:
         ValueError: an unknown dtype.
@@ -87,8 +85,8 @@ def check_compute_dtype(compute_dtype: str, device: str) -> None:
 
 
 class PolicyModel(nn.Module):
-    """A causal LM whose forward maps a packed sequence to next-token logprobs [S]; ``router_hooks``
-    of a MoE and ``vision`` processor of a VLM are None otherwise."""
+    """A causal LM whose forward gives next-token logprobs; ``router_hooks`` (MoE) and ``vision``
+    (VLM) are None otherwise."""
 
     def __init__(self, lm: nn.Module, temperature: float, chunk_tokens: int = 1024,
                  vision: VisionProcessor | None = None) -> None:
@@ -101,13 +99,13 @@ class PolicyModel(nn.Module):
         self.entropy: Tensor | None = None  # [sum of row lengths] of the latest packed forward
 
     def add_lora(self, config: LoraConfig, where: str = "lora") -> None:
-        """Train adapters instead (molt.train.lora.apply_lora)."""
+        """Train LoRA adapters instead."""
         apply_lora(self.lm, config, where)
         self.lora = config
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether attention is molt_packed_sdpa, which honours shared-prompt segments."""
+        """Whether attention honours shared-prompt segments (molt_packed_sdpa)."""
         text_config = self.lm.config.get_text_config()  # type: ignore[operator, union-attr]
         return bool(getattr(text_config, "_attn_implementation", None) == PACKED_SDPA)
 
@@ -115,8 +113,8 @@ class PolicyModel(nn.Module):
                 loss_masks: Sequence[Sequence[bool]] | None = None,
                 vision_inputs: VisionInputs | None = None) -> Tensor:
         """Next-token logprobs, fp32, of ``input_ids`` [1, S]; 0 at a row's first token. Without
-        ``packed``: [S]. With it: [sum of row lengths], nonzero only at the ``loss_masks`` tokens,
-        where ``self.entropy`` gets the entropy (nats, no gradient)."""
+        ``packed``: [S]. With it: [sum of row lengths], nonzero only at ``loss_masks`` tokens;
+        ``self.entropy`` likewise (nats, no gradient)."""
         device = next(self.parameters()).device
         if packed is None:
             kwargs: dict[str, Any] = {"molt_row_lengths": row_lengths(position_ids[0].cpu())}
@@ -146,7 +144,7 @@ class PolicyModel(nn.Module):
         return torch.zeros(size, device=device).index_put((slot,), logp)
 
     def mrope_packed(self, packed: PackedSequence, vision_inputs: VisionInputs) -> Tensor | None:
-        """[3, 1, S] multimodal RoPE positions of each row at its packed positions, or None."""
+        """[3, 1, S] multimodal RoPE positions, or None."""
         rope_index = getattr(self.lm.model, "get_rope_index", None)
         grids = vision_inputs.tensors.get("image_grid_thw")
         if rope_index is None or grids is None or self.vision is None:
@@ -162,8 +160,8 @@ class PolicyModel(nn.Module):
 
     def rows_forward(self, mb: pa.RecordBatch, mask: Tensor, replay: bool = False,
                      compare: bool = False) -> RowsForward:
-        """One packed forward of a micro-batch (loss masks ``mask`` [B, T]); ``compare``: one more
-        no-grad forward with routing ``replay`` the other way.
+        """A micro-batch's packed forward (``mask`` [B, T]); ``compare``: one more no-grad forward
+        with routing ``replay`` the other way.
 
         Raises:
             ValueError: images not matching the rows, or recorded experts the model lacks.
@@ -201,8 +199,8 @@ class PolicyModel(nn.Module):
                 hooks.engine_routing = None
 
     def dummy_forward(self, compare: bool = False) -> Tensor:
-        """A zero loss through a 2-token forward (and a no-grad one with ``compare``), so a rank
-        without rows keeps its collectives in step; MoE load counts skip it."""
+        """A zero loss through a 2-token forward, so a rank without rows keeps its collectives in
+        step; MoE load counts skip it."""
         packed = pack_sequences([[0, 0]])
         hooks = self.router_hooks
         if hooks is not None:
@@ -220,7 +218,7 @@ class PolicyModel(nn.Module):
 
 @dataclass
 class RowsForward:
-    """`PolicyModel.rows_forward` of a micro-batch: [B, T] per token (0 past a row's end)."""
+    """[B, T] per token (0 past a row's end)."""
 
     logp: Tensor  # logprobs of the loss tokens (with gradient), 0 elsewhere
     entropy: Tensor | None  # of the sampling distribution at the loss tokens (nats, no gradient)
@@ -229,7 +227,7 @@ class RowsForward:
 
 
 def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
-    """[B, T] (0 past a row's end) of values [sum lengths] of the packed rows in order."""
+    """[B, T] (0 past a row's end) of packed values [sum lengths]."""
     dev = flat.device
     lengths = torch.tensor(packed.lengths, device=dev)[:, None]
     valid = torch.arange(mask.shape[1], device=dev)[None, :] < lengths
@@ -237,8 +235,8 @@ def _unpack(flat: Tensor, packed: PackedSequence, mask: Tensor) -> Tensor:
 
 
 def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1024) -> PolicyModel:
-    """Load a HF folder in fp32 (the master weights) as a `PolicyModel` in train mode; plain
-    causal ``sdpa`` attention (a VLM's language model only) becomes ``molt_packed_sdpa``."""
+    """Load a HF folder in fp32 (the master weights), in train mode; ``sdpa`` attention becomes
+    ``molt_packed_sdpa``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     vision = VisionProcessor.of(model_dir)
@@ -256,16 +254,15 @@ def load_policy(model_dir: str | Path, temperature: float, chunk_tokens: int = 1
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
-    """``model.layers`` of a causal LM, ``model.language_model.layers`` of a VLM."""
+    """The decoder layers of a causal LM or a VLM."""
     base = cast(nn.Module, lm.model)
     return cast(nn.ModuleList, getattr(base, "language_model", base).layers)
 
 
 def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str = "cpu",
                  expert_parallel_size: int = 1) -> PolicyModel:
-    """FSDP2: ``fully_shard`` each decoder layer, then the wrapper; "bfloat16" computes in bf16
-    over fp32 master weights; one rank in fp32 is left unwrapped (the same arithmetic, as in
-    torchtitan); ``expert_parallel_size`` = the world size shards a MoE's experts.
+    """FSDP2-shard each decoder layer, then the wrapper (as in torchtitan); "bfloat16" computes
+    over fp32 master weights; one rank in fp32 is left unwrapped.
 
     Raises:
         ValueError: unknown ``compute_dtype`` or ``device``; an ``expert_parallel_size`` other
@@ -301,8 +298,7 @@ def shard_policy(model: PolicyModel, compute_dtype: str = "float32", device: str
 
 
 def export_names(model: PolicyModel) -> dict[str, str]:
-    """Wrapper state-dict names (a LoRA model's merged ones) -> the HF folder's: no ``lm.``, and
-    no ``lm_head.weight`` with tied embeddings."""
+    """Wrapper state-dict names (LoRA: merged) -> the HF folder's."""
     tied = bool(getattr(model.lm.config, "tie_word_embeddings", False))
     names = {}
     for name in model.state_dict():
@@ -316,8 +312,7 @@ def export_names(model: PolicyModel) -> dict[str, str]:
 
 
 def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
-    """Full CPU state dict in the HF checkpoint's names and layout (`checkpoint_state`); a
-    collective: every rank calls it, rank 0 gets the tensors, the others an empty dict."""
+    """The `checkpoint_state` on CPU; a collective: rank 0 gets it, the others an empty dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -326,8 +321,7 @@ def full_state_dict(model: PolicyModel) -> dict[str, Tensor]:
 
 
 def checkpoint_state(model: PolicyModel, full: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``full`` (the wrapper's names) as ``save_pretrained`` writes the HF checkpoint: adapters
-    merged, names and fused experts reverted, tensors in the folder's layout."""
+    """``full`` (the wrapper's names) as ``save_pretrained`` writes it, in the folder's layout."""
     from transformers.core_model_loading import revert_weight_conversion
 
     if model.lora is not None:

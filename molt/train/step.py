@@ -1,6 +1,6 @@
 """One optimizer step of the policy over a packed step batch (DESIGN §8).
 
-Every rank sees the whole batch and trains its rows (column ``dp_rank``):
+Each rank trains its rows (column ``dp_rank``) of the whole batch; B rows, T longest row:
 
     1) refuse stale tokens: version - policy_version_t <= max_staleness on generated tokens
     2) for each of the rank's M micro-batches (same M on every rank), less `inert_rows`:
@@ -10,12 +10,10 @@ Every rank sees the whole batch and trains its rows (column ``dp_rank``):
          L     = c.weight * policy_loss(logp, old, A, mask=c.keep) [+ kl.coef * KL(logp, ref)]
          share = aggregation(L, loss_mask, step_loss_tokens, step_loss_seqs)
                  [+ router_aux_loss_coef * aux * loss tokens / step_loss_tokens]
-         backward(share * world_size)  (FSDP averages over ranks; we want the sum)
+         backward(share * world_size)
     3) clip the global grad norm, set the scheduled lr, AdamW step
 
-So the update is the same for any split into ranks and micro-batches (the step_loss_* columns
-are the step's totals). An empty micro-batch runs a zero-loss dummy forward/backward, so
-collectives match across ranks. B rows, T longest row.
+The update is the same for any split into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ SFT_UNREAD = ("rollout_logprobs", "advantages")  # SFT records (demonstrations) 
 
 
 class ObjectiveConfig(BaseModel):
-    """Loss knobs of the train stage, e.g. ``{policy_loss: {type: ppo, clip_high: 0.28},
-    correction: {type: tis, cap: 2.0}, kl: {estimator: k3, coef: 0.001}}`` (kl: ref_logprobs)."""
+    """Loss knobs of the train stage (kl needs column ref_logprobs)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -73,7 +70,7 @@ class ObjectiveConfig(BaseModel):
 
 @dataclass
 class StepResult:
-    """What one step did, reduced over ranks; ``metrics`` keys of molt.algorithms.policy_metrics."""
+    """What one step did, reduced over ranks."""
 
     loss: float
     grad_norm: float
@@ -83,7 +80,7 @@ class StepResult:
 
 
 def check_objective(obj: ObjectiveConfig, where: str) -> None:
-    """Refuse objective settings the train stage cannot honour.
+    """Refuse objectives the train stage cannot honour.
 
     Raises:
         ValueError: a KL term outside the loss, or SFT with an off-policy correction.
@@ -99,7 +96,6 @@ def check_objective(obj: ObjectiveConfig, where: str) -> None:
 
 def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | None) -> int:
     """Refuse generated tokens older than ``max_staleness`` steps; return the step's max lag.
-    Example: version 3, versions [-1, 1, 2], loss_mask [F, T, T]: lag 2.
 
     Raises:
         ValueError: naming the first violating ``sample_id``.
@@ -121,7 +117,7 @@ def check_staleness(batch: pa.RecordBatch, version: int, max_staleness: int | No
 
 
 def lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
-    """Sum over generated tokens (loss_mask) of ``version - policy_version``, and their count."""
+    """(sum of ``version - policy_version`` over generated tokens, their count)."""
     versions = pc.list_flatten(batch.column("policy_version")).to_numpy(zero_copy_only=False)
     mask = pc.list_flatten(batch.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
     return float((version - versions[mask]).sum()), int(mask.sum())
@@ -129,7 +125,7 @@ def lag_sum(batch: pa.RecordBatch, version: int) -> tuple[float, int]:
 
 def _micro_loss(model: PolicyModel, mb: pa.RecordBatch, obj: ObjectiveConfig,
                 step_tokens: int, step_seqs: int) -> tuple[Tensor, dict[str, float]]:
-    """This micro-batch's share of the step loss (0-dim) and its token metrics."""
+    """The micro-batch's share of the step loss (0-dim), and its metrics."""
     mask = padded(mb, "loss_mask", torch.bool)  # [B, T]
     fwd = model.rows_forward(mb, mask, obj.routing_replay, obj.routing_replay_compare)
     mask = mask.to(fwd.logp.device)
@@ -149,7 +145,7 @@ def _micro_loss(model: PolicyModel, mb: pa.RecordBatch, obj: ObjectiveConfig,
 
 def _corrected_loss(obj: ObjectiveConfig, logp: Tensor, rollout: Tensor, adv: Tensor,
                     mask: Tensor) -> tuple[Tensor, PolicyLoss, Correction]:
-    """(c.weight * policy_loss [B, T], the policy loss's output, the correction's) of step 2."""
+    """(c.weight * policy_loss [B, T], the policy loss, the correction) of step 2."""
     corr = obj.correction.compute(logp, rollout, mask)
     old = rollout if obj.anchor == "rollout" else logp.detach()
     pl = obj.policy_loss.compute(logp, old, adv, corr.keep)
@@ -159,8 +155,8 @@ def _corrected_loss(obj: ObjectiveConfig, logp: Tensor, rollout: Tensor, adv: Te
 def policy_loss(logp: Tensor, mb: pa.RecordBatch, mask: Tensor, obj: ObjectiveConfig,
                 step_tokens: int, step_seqs: int,
                 entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The share (0-dim) and token metrics of step 2 from ``logp`` [B, T] and the batch's columns
-    (an SFT batch has no ``rollout_logprobs`` and ``advantages``: zeros)."""
+    """The share (0-dim) and metrics of step 2 from ``logp`` [B, T]; an SFT batch's missing
+    ``rollout_logprobs`` and ``advantages`` are zeros."""
     dev = logp.device
     rollout, adv = (padded(mb, name, torch.float32).to(dev) if name in mb.schema.names
                     else torch.zeros_like(logp) for name in ("rollout_logprobs", "advantages"))
@@ -174,7 +170,7 @@ def policy_loss(logp: Tensor, mb: pa.RecordBatch, mask: Tensor, obj: ObjectiveCo
 
 
 def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
-    """Whether a token with advantage 0 adds no gradient under ``obj`` (tried on a probe)."""
+    """Whether a token with advantage 0 adds no gradient under ``obj``."""
     if obj.kl is not None:
         return False
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
@@ -187,8 +183,8 @@ def zero_advantage_is_inert(obj: ObjectiveConfig) -> bool:
 
 
 def inert_rows(batch: pa.RecordBatch, obj: ObjectiveConfig) -> np.ndarray:
-    """[N] bool: rows whose ``advantages`` are 0 on every loss token, if that adds no gradient. The
-    trainer skips them; they still count in the loss denominators, so the update is the same."""
+    """[N] bool: rows with ``advantages`` 0 on every loss token, if that adds no gradient; they
+    still count in the loss denominators."""
     if batch.num_rows == 0 or not zero_advantage_is_inert(obj):
         return np.zeros(batch.num_rows, dtype=bool)
     rows = zip(batch.column("advantages").to_pylist(), batch.column("loss_mask").to_pylist())
@@ -197,7 +193,7 @@ def inert_rows(batch: pa.RecordBatch, obj: ObjectiveConfig) -> np.ndarray:
 
 def accumulate(model: PolicyModel, batch: pa.RecordBatch, obj: ObjectiveConfig,
                rank: int, world_size: int) -> tuple[float, list[dict[str, float]]]:
-    """Forward/backward every micro-batch of ``rank``; returns (sum of shares, metrics)."""
+    """Forward/backward ``rank``'s micro-batches; returns (sum of shares, metrics)."""
     ranks = batch.column("dp_rank").to_numpy()
     micro = batch.column("micro_batch").to_numpy()
     num_micro = int(micro.max()) + 1 if batch.num_rows else 0
@@ -222,7 +218,7 @@ def accumulate(model: PolicyModel, batch: pa.RecordBatch, obj: ObjectiveConfig,
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    grad_clip: float | None) -> float:
-    """Clip the global grad norm (all ranks), step, zero grads; returns the pre-clip norm."""
+    """Clip the global grad norm, step, zero grads; returns the pre-clip norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -233,8 +229,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def reduce_metrics(parts: list[dict[str, float]], keys: list[str]) -> dict[str, float]:
-    """Merge micro-batch metrics on this rank, then across ranks by each key's reduction (ranks
-    without a valid token add nothing to means, maxima or minima)."""
+    """Merge metrics over micro-batches, then ranks, by each key's reduction; a rank without
+    tokens adds nothing."""
     local = merge_token_metrics(parts) if parts else {}
     count = local.get("tokens/count", 0.0)
     values = []
@@ -265,7 +261,7 @@ def reduce_metrics(parts: list[dict[str, float]], keys: list[str]) -> dict[str, 
 
 
 def metric_keys(obj: ObjectiveConfig) -> list[str]:
-    """The metric keys a micro-batch yields under ``obj`` (identical on every rank)."""
+    """The metric keys a micro-batch yields under ``obj``."""
     zeros, mask = torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.bool)
     corr = obj.correction.compute(zeros, zeros, mask)
     pl = obj.policy_loss.compute(zeros, zeros, zeros, mask)
@@ -275,7 +271,7 @@ def metric_keys(obj: ObjectiveConfig) -> list[str]:
 
 def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, batch: pa.RecordBatch,
                obj: ObjectiveConfig, optim_cfg: OptimConfig, version: int) -> StepResult:
-    """Steps 2-3 on this rank's rows; ``version``: optimizer steps already taken (sets the lr)."""
+    """Steps 2-3 on this rank's rows; ``version``: optimizer steps already taken."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     lr = set_lr(optimizer, version, optim_cfg)
