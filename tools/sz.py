@@ -13,17 +13,17 @@ from pathlib import Path
 
 BUDGET_TOKENS = {  # folder -> tokens (characters / 4) of its .py files, subfolders not included
     "molt": 11_500,
-    "molt/runtime": 36_000,
+    "molt/runtime": 36_750,
     "molt/commands": 18_500,
-    "molt/agents": 21_000,
+    "molt/agents": 21_900,
     "molt/algorithms": 16_000,
-    "molt/engines": 24_600,
+    "molt/engines": 24_900,
     "molt/models": 10_700,
-    "molt/tasks": 9_000,
+    "molt/tasks": 9_850,
     "molt/train": 27_900,
     "stages": 18_000,
 }
-BUDGET_TOTAL_TOKENS = 193_000  # molt/ + stages/
+BUDGET_TOTAL_TOKENS = 195_000  # molt/ + stages/
 BUDGET_DOCSTRING_TOKENS = 40_000  # of the total
 BUDGET_LONG_LINES = 25  # lines over 100 characters
 BUDGET_FUNCTION_LINES = 60  # the longest function (STYLE: 90th percentile 40-60)
