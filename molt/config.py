@@ -134,34 +134,47 @@ def validate(model: type[BaseModel], data: Any, source: str, prefix: tuple) -> A
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = prefix + tuple(err["loc"])
+        at, keys = _walk(model, tuple(err["loc"])[:-1])
+        loc = prefix + at + tuple(err["loc"])[-1:]
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            known = _known_keys(model, tuple(err["loc"])[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
             msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close
-                                   else f"; valid keys: {known}")
+                                   else f"; valid keys: {keys}")
         elif err["type"] != "missing":
             msg += f"; got {err.get('input')!r}"
         raise ValueError(f"{source}: {path}: {msg}") from None
 
 
-def _known_keys(model: Any, loc: tuple) -> list[str]:
-    """Field names (YAML spelling) of the model reached by walking ``loc``."""
-    for part in (*loc, None):  # None: unwrap the last one (an Optional model)
-        if isinstance(model, type) and issubclass(model, BaseModel):
+def _walk(model: Any, loc: tuple) -> tuple[tuple, list[str]]:
+    """``loc`` without the tags pydantic puts in it for a tagged union's member, and the field
+    names (YAML spelling) of the model it reaches."""
+    at: list[Any] = []
+    for part in (*loc, None):  # None: unwrap the last one (an Optional model or a union)
+        while not (isinstance(model, type) and issubclass(model, BaseModel)):
+            args = [a for a in typing.get_args(model) if a is not type(None)]
+            origin = typing.get_origin(model)
+            if origin is typing.Annotated:
+                args = args[:1]
+            tagged = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)
+                      and getattr(a.model_fields.get("type"), "default", None) == part]
+            if not args:
+                return tuple(at), []
+            model = tagged[0] if tagged else args[-1]
+            if tagged or origin in (list, tuple, dict):  # no field: a tag, an index or a key
+                at += [] if tagged else [part]  # a tag is not a YAML key
+                break
+        else:
             if part is None:
                 break
             f = model.model_fields.get(str(part)) or next(
                 (v for v in model.model_fields.values() if v.alias == part), None)
             model = f.annotation if f else None
-        else:
-            args = [a for a in typing.get_args(model) if a is not type(None)]
-            model = args[-1] if args else None
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return [f.alias or n for n, f in model.model_fields.items()]
-    return []
+            at.append(part)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return tuple(at), []
+    return tuple(at), [f.alias or n for n, f in model.model_fields.items()]
 
 
 def import_class(path: str, where: str) -> type:

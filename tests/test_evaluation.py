@@ -107,7 +107,7 @@ def test_tasks_by_name_by_mapping_and_from_a_pipelines_evaluation():
     assert tasks["evaluate"].max_new_tokens == pipe.stages["evaluate"].config.max_new_tokens
     with pytest.raises(ValueError, match="unknown task; hint: one of"):
         parse_task("arithmetics")
-    with pytest.raises(ValueError, match=r"task\.arithmetic\.num_probs: unknown key; did you mean 'num_problems'"):
+    with pytest.raises(ValueError, match=r"task\.num_probs: unknown key; did you mean 'num_problems'"):
         parse_task("{type: arithmetic, num_probs: 3}")
     with pytest.raises(ValueError, match="pipelines/smoke.yaml: the pipeline has no evaluation .no evaluation stage, no rollout with evaluate:."):
         parse_task("pipelines/smoke.yaml")

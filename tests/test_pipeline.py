@@ -251,3 +251,14 @@ def test_the_pack_stage_plans_for_the_world_size_of_the_train_stage_it_feeds():
     with pytest.raises(ValueError, match=r"stages.pack.config.world_size is 2 but stages.train.world_size is 1: "
                                          r"rows planned for a missing rank would never train; hint: leave"):
         Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.pack.config.world_size=2"])
+
+
+def test_an_unknown_key_under_a_tagged_task_names_that_task_type_s_keys():
+    """pydantic puts the union's tag (``arithmetic``) in an error's path; the path the user reads and
+    the keys offered are those of the task type the YAML chose."""
+    with pytest.raises(ValueError, match=r"stages\.source\.config\.task\.max_opernd: unknown key; "
+                                         r"did you mean 'max_operand'\?"):
+        Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.source.config.task.max_opernd=3"])
+    with pytest.raises(ValueError, match=r"stages\.source\.config\.task\.zz: unknown key; valid keys: "
+                                         r"\[.*'min_operand'.*\]"):
+        Pipeline.from_yaml("pipelines/quickstart.yaml", ["stages.source.config.task.zz=3"])

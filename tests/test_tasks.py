@@ -210,7 +210,7 @@ def test_a_file_task_checks_its_path_at_load_and_takes_the_first_n_records():
                                   "config": {"task": {"type": "gsm8k", "path": "/nonexistent/test.jsonl"}}},
                        "sink": {"class": "stages.metrics_sink.MetricsSink"}},
             "edges": [{"from": "source", "to": "sink"}]}
-    with pytest.raises(ValueError, match=r"stages.source.config.task.gsm8k.path: Value error, no such file; got "
+    with pytest.raises(ValueError, match=r"stages.source.config.task.path: Value error, no such file; got "
                                          r"'/nonexistent/test.jsonl'"):
         Pipeline.from_spec(spec)
     from molt.tasks import GSM8KTask
