@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 BUDGET_TOKENS = {  # folder -> tokens (characters / 4) of its .py files, subfolders not included
-    "molt": 11_500,
+    "molt": 11_700,
     "molt/runtime": 36_750,
     "molt/commands": 18_500,
     "molt/agents": 21_900,
@@ -23,7 +23,7 @@ BUDGET_TOKENS = {  # folder -> tokens (characters / 4) of its .py files, subfold
     "molt/train": 27_900,
     "stages": 18_000,
 }
-BUDGET_TOTAL_TOKENS = 195_000  # molt/ + stages/
+BUDGET_TOTAL_TOKENS = 195_200  # molt/ + stages/
 BUDGET_DOCSTRING_TOKENS = 40_000  # of the total
 BUDGET_LONG_LINES = 25  # lines over 100 characters
 BUDGET_FUNCTION_LINES = 60  # the longest function (STYLE: 90th percentile 40-60)
