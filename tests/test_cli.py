@@ -179,7 +179,7 @@ def test_an_evaluation_that_could_grade_training_problems_is_refused_at_load_nam
     # the rollout's own evaluation (several tasks), refused alike
     from types import SimpleNamespace
 
-    from molt.agents.evaluation import refuse_shared_problems
+    from molt.commands.run import refuse_shared_problems
     from stages.dataset_source import DatasetSource
     from stages.rollout import Rollout
 

@@ -14,8 +14,8 @@ from pathlib import Path
 BUDGET_TOKENS = {  # folder -> tokens (characters / 4) of its .py files, subfolders not included
     "molt": 11_700,
     "molt/runtime": 36_750,
-    "molt/commands": 18_500,
-    "molt/agents": 21_900,
+    "molt/commands": 18_700,
+    "molt/agents": 21_550,
     "molt/algorithms": 16_000,
     "molt/engines": 24_900,
     "molt/models": 10_700,

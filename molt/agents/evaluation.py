@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,33 +185,6 @@ def load_problems(task: Any, where: str) -> list[dict[str, Any]]:
         log.warning("%s.num_problems: %d; the task holds %d distinct problems, all evaluated",
                     where, task.num_problems, len(problems))
     return problems
-
-
-def _tasks(config: Any, where: str, held_out: bool = False) -> Iterator[tuple[str, Any, bool]]:
-    """(YAML key, task config, in an evaluation) of each task in ``config``, at any depth."""
-    if callable(getattr(config, "pool", None)):
-        yield where, config, held_out
-    elif isinstance(config, BaseModel | dict):
-        held_out = held_out or isinstance(config, EvaluationConfig)
-        items = (config.items() if isinstance(config, dict)
-                 else ((k, getattr(config, k)) for k in type(config).model_fields))
-        for key, value in items:
-            yield from _tasks(value, f"{where}.{key}", held_out)
-
-
-def refuse_shared_problems(pipe: Any) -> None:
-    """Refuse a Pipeline whose evaluation's task draws from the ``pool()`` of another task.
-
-    Raises:
-        ValueError: naming both tasks' YAML keys.
-    """
-    found = [t for sid, n in pipe.stages.items() for t in _tasks(n.config, f"stages.{sid}.config")]
-    for where, task, held_out in found:
-        for other, stream, _ in (t for t in found if held_out and not t[2]):
-            if task.pool() == stream.pool():
-                raise ValueError(f"{pipe.source}: {where} and {other} both draw from "
-                                 f"{task.pool()}: the evaluation could grade trained problems; "
-                                 "hint: split: eval, or another file")
 
 
 def default_grader(data: Any) -> Any:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import yaml
+from pydantic import BaseModel
 
+from molt.agents.evaluation import EvaluationConfig
 from molt.config import differing_keys
 from molt.runtime.metrics import get_logger
 from molt.runtime.pipeline import Pipeline
@@ -48,13 +52,38 @@ def command(pipeline: str, run_dir: str | None, resume: str | None, seed: int | 
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipeline:
-    """`Pipeline.from_yaml`, then `refuse_shared_problems` (molt.agents.evaluation); raises
-    their ValueError."""
-    from molt.agents.evaluation import refuse_shared_problems
-
+    """`Pipeline.from_yaml`, then `refuse_shared_problems`; raises their ValueError."""
     pipe = Pipeline.from_yaml(path, overrides)
     refuse_shared_problems(pipe)
     return pipe
+
+
+def _tasks(config: Any, where: str, held_out: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """(YAML key, task config, in an evaluation) of each task in ``config``, at any depth."""
+    if callable(getattr(config, "pool", None)):
+        yield where, config, held_out
+    elif isinstance(config, BaseModel | dict):
+        held_out = held_out or isinstance(config, EvaluationConfig)
+        items = (config.items() if isinstance(config, dict)
+                 else ((k, getattr(config, k)) for k in type(config).model_fields))
+        for key, value in items:
+            yield from _tasks(value, f"{where}.{key}", held_out)
+
+
+def refuse_shared_problems(pipe: Pipeline) -> None:
+    """Refuse a pipeline whose evaluation's task draws from the ``pool()`` of another task.
+
+    Raises:
+        ValueError: naming both tasks' YAML keys.
+    """
+    found = [t for sid, n in pipe.stages.items() for t in _tasks(n.config, f"stages.{sid}.config")]
+    trained = [(other, stream.pool()) for other, stream, held_out in found if not held_out]
+    for where, task, _ in (t for t in found if t[2]):
+        for other, pool in trained:
+            if task.pool() == pool:
+                raise ValueError(f"{pipe.source}: {where} and {other} both draw from {pool}: the "
+                                 "evaluation could grade trained problems; hint: split: eval, or "
+                                 "another file")
 
 
 def check_torchvision() -> None:

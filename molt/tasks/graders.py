@@ -90,8 +90,7 @@ def math_normal_form(answer: str) -> str:
     from math_verify.utils import timeout
     from sympy import Basic, Eq, Symbol, nsimplify, simplify
 
-    main = threading.current_thread() is threading.main_thread()
-    seconds = _MATH_VERIFY_TIMEOUT_S if main else None  # its timeout uses SIGALRM: main thread only
+    seconds = _timeout_s()
     parsed = parse(f"${answer}$", parsing_timeout=seconds)  # type: ignore[arg-type]
     if not parsed or not isinstance(value := parsed[0], Basic):  # sympy could not read it
         return str(parsed[0]) if parsed else answer.strip()
@@ -102,11 +101,15 @@ def math_normal_form(answer: str) -> str:
         return str(value)
 
 
+def _timeout_s() -> int | None:
+    """math-verify's timeout: it uses SIGALRM, so in the main thread only."""
+    return _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
 def _math_verify_match(extracted: str, answer: str) -> bool:
     from math_verify import parse, verify
 
-    main = threading.current_thread() is threading.main_thread()
-    seconds = _MATH_VERIFY_TIMEOUT_S if main else None  # SIGALRM: main thread only
+    seconds = _timeout_s()
     gold = parse(f"${answer}$", parsing_timeout=seconds)  # type: ignore[arg-type]
     pred = parse(f"${extracted}$", parsing_timeout=seconds)  # type: ignore[arg-type]
     return bool(gold and pred and verify(gold, pred, timeout_seconds=seconds))
